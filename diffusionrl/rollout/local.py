@@ -1,0 +1,170 @@
+"""The local rollout engine: in-process diffusers modules, CPU or one GPU.
+
+It owns its own copy of the LoRA-wrapped transformer; ``update_weights`` copies the trainer's
+LoRA tensors into it (the in-process form of the weight push that the SGLang engine does over
+HTTP or CUDA IPC). Sampling runs in micro-batches of ``micro_batch_size`` samples and records
+that composition in the trajectory, so the trainer can recompute bitwise-equal log-probs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from diffusionrl.models.sd3 import SD3Adapter
+from diffusionrl.sampling import step_with_logprob
+from diffusionrl.trajectory import Conditioning, Trajectory
+
+from .base import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+
+def _as_long(values, n: int, name: str) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=torch.int64).reshape(-1)
+    if t.shape[0] != n:
+        raise ValueError(f"{name} has {t.shape[0]} entries for {n} prompts")
+    return t
+
+
+class LocalRolloutEngine:
+    """Samples with an in-process transformer (a LoRA-wrapped copy of the policy)."""
+
+    name = "local"
+
+    def __init__(self, adapter: SD3Adapter, transformer: torch.nn.Module, micro_batch_size: int, progress: bool = False):
+        self.adapter = adapter
+        self.transformer = transformer.eval()
+        self.transformer.requires_grad_(False)
+        self.micro_batch_size = micro_batch_size
+        self.version = 0
+        self.progress = progress
+        self._params = dict(self.transformer.named_parameters())
+
+    # -- weights ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, lora_state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy LoRA tensors (names as in the policy's ``named_parameters``) into the engine."""
+        unknown = [k for k in lora_state if k not in self._params]
+        if unknown:
+            raise KeyError(f"update_weights: {len(unknown)} unknown parameter names, e.g. {unknown[:3]}")
+        for name, value in lora_state.items():
+            self._params[name].copy_(value.to(self._params[name].device, self._params[name].dtype))
+        self.version = int(version)
+
+    def close(self) -> None:
+        pass
+
+    # -- sampling --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        group_ids,
+        seeds,
+        spec: SamplingSpec,
+        sde_mask: np.ndarray | torch.Tensor | None = None,
+        metadata: list[dict] | None = None,
+    ) -> Trajectory:
+        b = len(prompts)
+        group_ids_t = _as_long(group_ids, b, "group_ids")
+        seeds_t = _as_long(seeds, b, "seeds")
+        sigmas, timesteps = self.adapter.schedule(spec.num_steps)
+        t = spec.num_steps
+        if spec.sde_type == "ode" or sde_mask is None:
+            mask = torch.zeros(b, t, dtype=torch.bool)
+            if spec.sde_type != "ode":
+                mask[:, :-1] = True
+        else:
+            mask = torch.as_tensor(np.asarray(sde_mask), dtype=torch.bool)
+            mask = mask.expand(b, t).clone() if mask.ndim == 1 else mask
+        micro = self.micro_batch_size if b % self.micro_batch_size == 0 else b
+        negative = spec.negative_prompt if spec.guidance_scale != 1.0 else None
+        cond = self.adapter.encode_prompts(prompts, negative, spec.max_sequence_length)
+
+        latents, log_probs, images = [], [], []
+        chunks = range(0, b, micro)
+        for start in tqdm(chunks, desc="rollout", disable=not self.progress, leave=False):
+            sl = slice(start, start + micro)
+            lat, lp = self._sample_chunk(cond.select(sl), seeds_t[sl], mask[sl], sigmas, timesteps, spec)
+            latents.append(lat)
+            log_probs.append(lp)
+            if spec.keep_images:
+                images.append(self.adapter.decode(lat[:, -1]))
+        return Trajectory(
+            prompts=list(prompts),
+            group_ids=group_ids_t,
+            seeds=seeds_t,
+            sigmas=sigmas,
+            timesteps=timesteps,
+            sde_mask=mask,
+            latents=torch.cat(latents),
+            log_probs=torch.cat(log_probs),
+            conditioning=Conditioning(
+                cond.prompt_embeds.cpu(),
+                cond.pooled_embeds.cpu(),
+                None if cond.negative_prompt_embeds is None else cond.negative_prompt_embeds.cpu(),
+                None if cond.negative_pooled_embeds is None else cond.negative_pooled_embeds.cpu(),
+            ),
+            guidance_scale=float(spec.guidance_scale),
+            sde_type=spec.sde_type,
+            noise_level=float(spec.noise_level),
+            micro_batch_size=micro,
+            policy_version=self.version,
+            images=np.concatenate(images) if images else None,
+            metadata=metadata,
+        )
+
+    def _sample_chunk(
+        self,
+        cond: Conditioning,
+        seeds: torch.Tensor,
+        mask: torch.Tensor,
+        sigmas: torch.Tensor,
+        timesteps: torch.Tensor,
+        spec: SamplingSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one micro-batch; returns latents ``[m, T+1, C, H, W]`` and log-probs ``[m, T]``."""
+        device = self.adapter.device
+        shape = self.adapter.latent_shape(spec.resolution)
+        # One generator per sample: a sample's noise depends on its seed only, not on the batch.
+        gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
+
+        def noise() -> torch.Tensor:
+            return torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
+
+        x = noise()  # [m, C, H, W] float32
+        states, lps = [x.cpu()], []
+        mask_dev = mask.to(device)
+        for i in range(spec.num_steps):
+            v = self.adapter.velocity(self.transformer, x, timesteps[i], cond, spec.guidance_scale)
+            eps = noise()  # drawn at every step so a sample's noise stream ignores the step set
+            if spec.sde_type == "ode" or not bool(mask[:, i].any()):
+                x_next = self._ode_step(x, v, sigmas, timesteps, i, cond, spec)
+                lp = torch.zeros(x.shape[0], device=device)
+            else:
+                out = step_with_logprob(
+                    v, x, sigmas[i], sigmas[i + 1], sde_type=spec.sde_type, noise_level=spec.noise_level,
+                    sigma_max=sigmas[1], noise=eps,
+                )
+                ode = x + v * (sigmas[i + 1] - sigmas[i])
+                m = mask_dev[:, i]
+                x_next = torch.where(m[:, None, None, None], out.x_next, ode)
+                lp = torch.where(m, out.log_prob, torch.zeros_like(out.log_prob))
+            x = x_next
+            states.append(x.cpu())
+            lps.append(lp.cpu())
+        return torch.stack(states, dim=1), torch.stack(lps, dim=1)
+
+    def _ode_step(self, x, v, sigmas, timesteps, i, cond, spec) -> torch.Tensor:
+        dt = sigmas[i + 1] - sigmas[i]
+        x_euler = x + v * dt
+        if spec.ode_solver != "heun" or float(sigmas[i + 1]) == 0.0:
+            return x_euler
+        # Heun (second order): average the slopes at both ends of the step.
+        t_next = sigmas[i + 1] * (timesteps[i] / sigmas[i])
+        v_next = self.adapter.velocity(self.transformer, x_euler, t_next, cond, spec.guidance_scale)
+        return x + 0.5 * (v + v_next) * dt

@@ -1,0 +1,146 @@
+"""Stochastic and deterministic flow-matching steps with per-step log-probs (ALGORITHMS.md 1-3).
+
+Pure tensor functions. Everything is computed in float32 whatever the model dtype: the log-prob
+is a mean over ~C*H*W Gaussian terms whose differences are ~1e-4 (the PPO clip range); bf16/fp16
+arithmetic here overflows ``1 / std**2`` on early steps and biases the ratio.
+
+Conventions: ``x_sigma = (1 - sigma) * x0 + sigma * eps``, ``sigmas[0] = 1 ... sigmas[T] = 0``,
+``dt = sigma_next - sigma < 0``. ``sigma``/``sigma_next`` may be Python floats, 0-d tensors or
+per-sample ``[B]`` tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SDE_TYPES = ("sde", "cps", "ode")
+
+
+@dataclass
+class StepOutput:
+    x_next: torch.Tensor  # [B, C, H, W] float32
+    log_prob: torch.Tensor  # [B] float32: mean over (C, H, W) of the Gaussian log-density
+    mean: torch.Tensor  # [B, C, H, W] float32: mean of x_next given x
+    std: torch.Tensor  # [B] float32: noise std without the sqrt(-dt) factor (used by the KL term)
+
+
+def _per_sample(value: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """A scalar or [B] value as a float32 [B, 1, 1, 1] tensor on ``ref``'s device."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=ref.device)
+    if t.ndim == 0:
+        t = t.expand(ref.shape[0])
+    return t.reshape(-1, *([1] * (ref.ndim - 1)))
+
+
+def _mean_over_sample(t: torch.Tensor) -> torch.Tensor:
+    return t.mean(dim=tuple(range(1, t.ndim)))
+
+
+def step_with_logprob(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    sde_type: str = "sde",
+    noise_level: float = 0.7,
+    sigma_max: float | torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    x_next: torch.Tensor | None = None,
+) -> StepOutput:
+    """One denoising step from ``sigma`` to ``sigma_next`` and the log-prob of its result.
+
+    Either ``noise`` (rollout: draw ``x_next = mean + std * noise``) or ``x_next`` (training:
+    score a recorded transition) must be given for the stochastic types. ``sigma_max`` is
+    ``sigmas[1]``, used in place of ``sigma`` when ``sigma == 1`` (avoids ``1 / (1 - 1)``).
+    """
+    v = v.float()
+    x = x.float()
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    dt = s_next - s  # [B,1,1,1], negative
+
+    if sde_type == "ode":
+        mean = x + v * dt
+        out = mean if x_next is None else x_next.float()
+        zeros = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        return StepOutput(out, zeros, mean, zeros)
+
+    if sde_type == "sde":
+        s_max = _per_sample(sigma_max if sigma_max is not None else sigma_next, x)
+        s_safe = torch.where(s == 1, s_max, s)
+        std = torch.sqrt(s / (1 - s_safe)) * noise_level  # [B,1,1,1]
+        # The reference's arrangement of mean = x + (v + std^2/(2 sigma) (x + (1 - sigma) v)) dt.
+        mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+        step_std = std * torch.sqrt(-dt)
+        if x_next is None:
+            if noise is None:
+                raise ValueError("step_with_logprob: give noise (to sample) or x_next (to score)")
+            x_next = mean + step_std * noise.float()
+        x_next = x_next.float()
+        log_prob = (
+            -((x_next.detach() - mean) ** 2) / (2 * step_std**2)
+            - torch.log(step_std)
+            - math.log(math.sqrt(2 * math.pi))
+        )
+        return StepOutput(x_next, _mean_over_sample(log_prob), mean, std.flatten())
+
+    if sde_type == "cps":
+        std = s_next * math.sin(noise_level * math.pi / 2)
+        x0_hat = x - s * v
+        x1_hat = x + (1 - s) * v
+        mean = x0_hat * (1 - s_next) + x1_hat * torch.sqrt(torch.clamp(s_next**2 - std**2, min=0))
+        if x_next is None:
+            if noise is None:
+                raise ValueError("step_with_logprob: give noise (to sample) or x_next (to score)")
+            x_next = mean + std * noise.float()
+        x_next = x_next.float()
+        # Constants dropped as in the reference: -(x_next - mean)^2, a per-element mean.
+        log_prob = -((x_next.detach() - mean) ** 2)
+        return StepOutput(x_next, _mean_over_sample(log_prob), mean, std.flatten())
+
+    raise ValueError(f"unknown sde_type {sde_type!r}; use one of {SDE_TYPES}")
+
+
+# -- step strategies (ALGORITHMS.md 3) -------------------------------------------------------------
+
+
+def sde_step_mask(
+    strategy: str,
+    num_steps: int,
+    group_seeds: list[int] | np.ndarray,
+    *,
+    num_sde_steps: int = 2,
+    window_range: tuple[int, int] | list[int] = (0, 5),
+    candidate_steps: list[int] | None = None,
+    epoch: int = 0,
+    seed: int = 0,
+) -> np.ndarray:
+    """Boolean ``[G, T]`` mask of the stochastic steps of each sample group.
+
+    - ``all``: every step but the last (``int(T * 0.99)`` steps for T < 100, as Flow-GRPO).
+    - ``sde_window``: a contiguous window of ``num_sde_steps`` at a random start inside
+      ``window_range`` = [lo, hi), drawn from ``numpy.random.default_rng(group_seed)``.
+    - ``epoch_random_choice``: ``num_sde_steps`` of ``candidate_steps``, seeded by
+      ``epoch + seed``, the same for every group of the epoch.
+    """
+    groups = len(group_seeds)
+    mask = np.zeros((groups, num_steps), dtype=bool)
+    if strategy == "all":
+        mask[:, : min(int(num_steps * 0.99), num_steps - 1)] = True
+    elif strategy == "sde_window":
+        lo, hi = int(window_range[0]), int(window_range[1])
+        for g, group_seed in enumerate(group_seeds):
+            start = int(np.random.default_rng(int(group_seed)).integers(lo, hi - num_sde_steps + 1))
+            mask[g, start : start + num_sde_steps] = True
+    elif strategy == "epoch_random_choice":
+        candidates = sorted(set(candidate_steps if candidate_steps is not None else range(num_steps - 1)))
+        chosen = np.random.default_rng(epoch + seed).choice(candidates, size=num_sde_steps, replace=False)
+        mask[:, chosen] = True
+    else:
+        raise ValueError(f"unknown step strategy {strategy!r}; use all | sde_window | epoch_random_choice")
+    return mask

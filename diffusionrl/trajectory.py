@@ -1,0 +1,170 @@
+"""The trajectory batch contract between rollout engines and the trainer (DESIGN.md "Contracts").
+
+A ``Trajectory`` holds B samples of T denoising steps. Shapes and dtypes are checked when it is
+built, so a malformed batch fails at the engine that made it, not deep inside the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+
+class TrajectoryError(ValueError):
+    """A trajectory field has the wrong shape, dtype or value."""
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning of B samples (what the transformer attends to)."""
+
+    prompt_embeds: torch.Tensor  # [B, S, D]
+    pooled_embeds: torch.Tensor  # [B, P]
+    negative_prompt_embeds: torch.Tensor | None = None  # [B, S, D]; None when no CFG pass
+    negative_pooled_embeds: torch.Tensor | None = None  # [B, P]
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def select(self, idx: slice | torch.Tensor) -> "Conditioning":
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+
+        return Conditioning(
+            pick(self.prompt_embeds),
+            pick(self.pooled_embeds),
+            pick(self.negative_prompt_embeds),
+            pick(self.negative_pooled_embeds),
+        )
+
+    @staticmethod
+    def cat(parts: list["Conditioning"]) -> "Conditioning":
+        def join(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+
+        return Conditioning(
+            join("prompt_embeds"), join("pooled_embeds"), join("negative_prompt_embeds"), join("negative_pooled_embeds")
+        )
+
+    def validate(self, batch: int) -> None:
+        _check(self.prompt_embeds, "prompt_embeds", ndim=3, first=batch, floating=True)
+        _check(self.pooled_embeds, "pooled_embeds", ndim=2, first=batch, floating=True)
+        if (self.negative_prompt_embeds is None) != (self.negative_pooled_embeds is None):
+            raise TrajectoryError("negative_prompt_embeds and negative_pooled_embeds must both be set or both be None")
+        if self.negative_prompt_embeds is not None:
+            _check(self.negative_prompt_embeds, "negative_prompt_embeds", shape=tuple(self.prompt_embeds.shape))
+            _check(self.negative_pooled_embeds, "negative_pooled_embeds", shape=tuple(self.pooled_embeds.shape))
+
+
+def _check(
+    t: torch.Tensor | None,
+    name: str,
+    *,
+    ndim: int | None = None,
+    first: int | None = None,
+    shape: tuple | None = None,
+    dtype: torch.dtype | None = None,
+    floating: bool = False,
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TrajectoryError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.ndim != ndim:
+        raise TrajectoryError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if first is not None and t.shape[0] != first:
+        raise TrajectoryError(f"{name} has {t.shape[0]} rows, expected {first} (one per sample)")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise TrajectoryError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TrajectoryError(f"{name} has dtype {t.dtype}, expected {dtype}")
+    if floating and not t.is_floating_point():
+        raise TrajectoryError(f"{name} must be a floating tensor, got {t.dtype}")
+
+
+@dataclass
+class Trajectory:
+    """B samples x T steps of one rollout.
+
+    ``micro_batch_size`` records the batch composition the engine sampled with: samples
+    ``[k*m, (k+1)*m)`` went through the transformer together. The trainer recomputes with the
+    same composition, which is what makes recomputed log-probs bitwise equal to these.
+    """
+
+    prompts: list[str]  # [B]
+    group_ids: torch.Tensor  # [B] int64: samples of one prompt group share an id
+    seeds: torch.Tensor  # [B] int64: per-sample noise seed
+    sigmas: torch.Tensor  # [T+1] float32: the exact schedule used, sigmas[0] = 1 ... sigmas[T] = 0
+    timesteps: torch.Tensor  # [T] float32: the transformer's timestep input at each step
+    sde_mask: torch.Tensor  # [B, T] bool: stochastic (trained) steps
+    latents: torch.Tensor  # [B, T+1, C, H, W] float32: x_0 (noise) ... x_T (clean)
+    log_probs: torch.Tensor  # [B, T] float32: 0 at deterministic steps
+    conditioning: Conditioning
+    guidance_scale: float
+    sde_type: str
+    noise_level: float
+    micro_batch_size: int
+    policy_version: int = 0
+    images: np.ndarray | None = None  # [B, H, W, 3] uint8
+    rewards: torch.Tensor | None = None  # [B] float32
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B]
+    advantages: torch.Tensor | None = None  # [B] float32
+    metadata: list[dict] | None = None  # [B] per-prompt metadata from the dataset
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+    def validate(self) -> None:
+        b = len(self.prompts)
+        if b == 0:
+            raise TrajectoryError("a trajectory needs at least one sample")
+        if not all(isinstance(p, str) for p in self.prompts):
+            raise TrajectoryError("prompts must be a list of str")
+        _check(self.group_ids, "group_ids", shape=(b,), dtype=torch.int64)
+        _check(self.seeds, "seeds", shape=(b,), dtype=torch.int64)
+        _check(self.timesteps, "timesteps", ndim=1, dtype=torch.float32)
+        t = self.timesteps.shape[0]
+        _check(self.sigmas, "sigmas", shape=(t + 1,), dtype=torch.float32)
+        _check(self.sde_mask, "sde_mask", shape=(b, t), dtype=torch.bool)
+        _check(self.latents, "latents", ndim=5, first=b, dtype=torch.float32)
+        if self.latents.shape[1] != t + 1:
+            raise TrajectoryError(f"latents has {self.latents.shape[1]} states per sample, expected T+1 = {t + 1}")
+        _check(self.log_probs, "log_probs", shape=(b, t), dtype=torch.float32)
+        self.conditioning.validate(b)
+        if self.sde_type not in ("sde", "cps", "ode"):
+            raise TrajectoryError(f"sde_type {self.sde_type!r} is not sde | cps | ode")
+        if self.micro_batch_size <= 0 or b % self.micro_batch_size:
+            raise TrajectoryError(f"micro_batch_size {self.micro_batch_size} does not divide the batch of {b}")
+        if self.images is not None:
+            if not (isinstance(self.images, np.ndarray) and self.images.dtype == np.uint8 and self.images.ndim == 4):
+                raise TrajectoryError("images must be a uint8 numpy array [B, H, W, 3]")
+            if self.images.shape[0] != b or self.images.shape[-1] != 3:
+                raise TrajectoryError(f"images has shape {self.images.shape}, expected [{b}, H, W, 3]")
+        for name in ("rewards", "advantages"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value, name, shape=(b,), dtype=torch.float32)
+        for name, value in self.reward_components.items():
+            _check(value, f"reward_components[{name!r}]", shape=(b,), dtype=torch.float32)
+        if self.metadata is not None and len(self.metadata) != b:
+            raise TrajectoryError(f"metadata has {len(self.metadata)} entries, expected {b}")
+        if self.sde_type != "ode" and not torch.isfinite(self.log_probs[self.sde_mask]).all():
+            raise TrajectoryError("log_probs has non-finite values at stochastic steps")
+
+    def with_rewards(
+        self, rewards: torch.Tensor, components: dict[str, torch.Tensor], advantages: torch.Tensor | None = None
+    ) -> "Trajectory":
+        return replace(self, rewards=rewards, reward_components=dict(components), advantages=advantages)
+
+    def micro_batches(self) -> list[slice]:
+        m = self.micro_batch_size
+        return [slice(i, i + m) for i in range(0, self.batch_size, m)]
