@@ -93,11 +93,13 @@ class SamplingConfig:
     window_range: list[int] = _f([0, 5], "[lo, hi): the SDE window lies inside these step indices")
     candidate_steps: list[int] = _f([0, 1, 2, 3, 4, 5, 6, 7, 8], "Steps epoch_random_choice draws from")
     ode_solver: str = _f("euler", "Deterministic solver for NFT rollouts and eval: euler | heun")
+    engine: str = _f("local", "Rollout engine: local (in-process diffusers) | sglang (SGLang diffusion server)")
 
     def __post_init__(self) -> None:
         _choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode"))
         _choice("sampling", "step_strategy", self.step_strategy, ("all", "sde_window", "epoch_random_choice"))
         _choice("sampling", "ode_solver", self.ode_solver, ("euler", "heun"))
+        _choice("sampling", "engine", self.engine, ("local", "sglang"))
         if self.resolution <= 0 or self.resolution % 16:
             raise ConfigError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
         if self.num_steps < 2:
@@ -310,6 +312,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
     known = [f.name for f in fields(cls)]
+    types = {f.name: f.type for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     sections = _section_classes() if cls is Config else {}
     for key, value in data.items():
@@ -318,7 +321,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
         if key in sections:
             kwargs[key] = _build(sections[key], value, f"{where}.{key}")
         else:
-            kwargs[key] = value
+            kwargs[key] = _coerce(value, types[key], f"{where}.{key}")
     try:
         return cls(**kwargs)
     except TypeError as exc:  # pragma: no cover - defensive, names are checked above
@@ -338,11 +341,39 @@ def _merge(base: dict[str, Any], update: dict[str, Any], where: str) -> dict[str
 
 
 def _parse_value(raw: str) -> Any:
-    """A CLI override value: YAML scalars/lists/maps (`3`, `1e-4`, `true`, `[0, 5]`, `{a: 1}`)."""
+    """A CLI override value: numbers (`3`, `1e-4`), YAML scalars/lists/maps (`true`, `[0, 5]`, `{a: 1}`)."""
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    """Check a leaf against its annotation (``float`` also takes ints and numeric strings like
+    YAML's ``3e-4``); nested containers are checked by their outer type."""
+    base = str(type_name).split("[")[0]
+    if base == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    expected = {"int": int, "bool": bool, "str": str, "list": list, "dict": dict}.get(base)
+    if expected is None:
+        return value
+    if expected is int and isinstance(value, bool) or not isinstance(value, expected):
+        raise ConfigError(f"{where} must be of type {type_name}, got {value!r}")
+    return value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

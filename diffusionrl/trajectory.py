@@ -39,6 +39,17 @@ class Conditioning:
             pick(self.negative_pooled_embeds),
         )
 
+    def to(self, device: torch.device | str) -> "Conditioning":
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Conditioning(
+            move(self.prompt_embeds),
+            move(self.pooled_embeds),
+            move(self.negative_prompt_embeds),
+            move(self.negative_pooled_embeds),
+        )
+
     @staticmethod
     def cat(parts: list["Conditioning"]) -> "Conditioning":
         def join(name: str) -> torch.Tensor | None:

@@ -117,10 +117,18 @@ class SD3Adapter:
 
     def lora_targets(self, suffixes: list[str]) -> list[str]:
         """Full module names of the transformer's linear layers that end with one of ``suffixes``."""
+        # In SD3's last block (context_pre_only) the text tokens' outputs are discarded, so the
+        # text-query projection there cannot change the prediction: its gradient is exactly 0.
+        # An adapter on it would be dead weight (it never trains), so it is left out.
+        dead = {
+            f"transformer_blocks.{i}.attn.add_q_proj"
+            for i, block in enumerate(self.transformer.transformer_blocks)
+            if getattr(block, "context_pre_only", False)
+        }
         names = [
             name
             for name, module in self.transformer.named_modules()
-            if isinstance(module, torch.nn.Linear) and any(name.endswith(s) for s in suffixes)
+            if isinstance(module, torch.nn.Linear) and any(name.endswith(s) for s in suffixes) and name not in dead
         ]
         if not names:
             raise ValueError(f"no transformer module matches the LoRA targets {suffixes}")

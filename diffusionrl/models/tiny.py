@@ -83,6 +83,31 @@ def build_tokenizers():
     return clip, t5
 
 
+@torch.no_grad()
+def _make_decoder_faithful(vae) -> None:
+    """Make the randomly initialised decoder show its latent instead of its own texture.
+
+    A freshly initialised 4-stage decoder paints nearly the same high-frequency texture over any
+    latent (its biases and random upsampling convolutions dominate), so image rewards could
+    barely be moved by the transformer. Deterministic edits after the seeded init: residual
+    branches damped to 0.1 (resnets close to identity), upsampling convolutions set to the
+    identity kernel, decoder biases zeroed. The decoder then behaves like a smooth, nonlinear
+    "latent -> RGB" upsampler: smooth latents give flat images, noisy latents busy ones.
+    """
+    for name, module in vae.decoder.named_modules():
+        if not isinstance(module, torch.nn.Conv2d):
+            continue
+        if "resnets" in name and name.rsplit(".", 1)[-1] in ("conv1", "conv2"):
+            module.weight.mul_(0.1)
+        if "upsamplers" in name:
+            kernel = torch.zeros_like(module.weight)
+            channels = kernel.shape[0]
+            kernel[range(channels), range(channels), 1, 1] = 1.0
+            module.weight.copy_(kernel)
+        if module.bias is not None:
+            module.bias.zero_()
+
+
 def build_tiny_sd3_components() -> dict:
     """All components of a tiny SD3 pipeline, in eval mode, fp32, CPU."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -161,6 +186,8 @@ def build_tiny_sd3_components() -> dict:
         use_post_quant_conv=False,
         mid_block_add_attention=False,
     )
+
+    _make_decoder_faithful(vae)
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 

@@ -11,8 +11,11 @@ from .base import RewardResult, register_reward, safe_score
 
 
 def jpeg_size_kb(image: np.ndarray, quality: int = 95) -> float:
+    image = np.asarray(image)
+    if image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8:
+        raise ValueError(f"expected a uint8 [H, W, 3] image, got {image.dtype} {image.shape}")
     buffer = io.BytesIO()
-    Image.fromarray(np.asarray(image, dtype=np.uint8)).save(buffer, format="JPEG", quality=quality)
+    Image.fromarray(image).save(buffer, format="JPEG", quality=quality)
     return buffer.tell() / 1000.0
 
 

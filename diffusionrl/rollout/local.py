@@ -103,12 +103,7 @@ class LocalRolloutEngine:
             sde_mask=mask,
             latents=torch.cat(latents),
             log_probs=torch.cat(log_probs),
-            conditioning=Conditioning(
-                cond.prompt_embeds.cpu(),
-                cond.pooled_embeds.cpu(),
-                None if cond.negative_prompt_embeds is None else cond.negative_prompt_embeds.cpu(),
-                None if cond.negative_pooled_embeds is None else cond.negative_pooled_embeds.cpu(),
-            ),
+            conditioning=cond.to("cpu"),
             guidance_scale=float(spec.guidance_scale),
             sde_type=spec.sde_type,
             noise_level=float(spec.noise_level),

@@ -1,0 +1,284 @@
+"""Prompt sources, validation and the deterministic train/test split.
+
+Sources (``data.source``):
+- ``builtin:objects``: a small generator of object/scene prompts (the tiny-model default);
+- ``builtin:ocr``: OCR text-rendering prompts (``diffusionrl.data_ocr``);
+- a ``.txt`` file (one prompt a line), a ``.jsonl`` file (``{"prompt": ..., <metadata>}`` a line),
+  a ``.parquet`` file (a ``prompt`` column plus metadata columns);
+- a folder in the flowgrpo layout (``train.jsonl``/``test.jsonl`` or ``train.txt``/``test.txt``),
+  whose own split is kept;
+- ``hf://datasets/<owner>/<repo>/<path>[@revision]``: a file of a Hugging Face dataset repo,
+  downloaded with ``HF_TOKEN`` (unreachable offline; same parsers).
+
+Malformed rows raise ``PromptDataError`` naming the file and line. Blank and duplicate prompts are
+dropped and counted. The split is by a hash of each prompt's text, so it does not depend on row
+order and a prompt never moves between train and test when rows are added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class PromptDataError(ValueError):
+    """A prompt row is malformed; the message names the file and line."""
+
+
+@dataclass
+class PromptSet:
+    train: list[dict[str, Any]]
+    test: list[dict[str, Any]]
+    source: str
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def digest(self) -> str:
+        return rows_digest(self.train, self.test)
+
+
+def rows_digest(*splits: list[dict[str, Any]]) -> str:
+    """sha256 of the canonical JSON of the rows, 16 hex chars."""
+    h = hashlib.sha256()
+    for rows in splits:
+        h.update(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+# -- built-in generators -------------------------------------------------------------------------
+
+_COLORS = "red green blue yellow orange purple pink black white brown golden silver".split()
+_ADJ = "small large old new bright dark shiny wooden metal glass stone tiny".split()
+_OBJECTS = (
+    "cat dog bird fish horse car bus bike boat tree flower house apple banana cake cup bottle "
+    "book chair table lamp clock robot castle bridge hat shoe ball"
+).split()
+_PLACES = (
+    "on the beach|in the forest|in a city street|on a mountain|by the river|on a table|in the snow|"
+    "at night|in the garden|in a desert|under a cloudy sky|in the morning"
+).split("|")
+
+
+def generate_object_prompts(num_prompts: int, seed: int) -> list[dict[str, Any]]:
+    """Distinct "a <adj> <color> <object> <place>" prompts, deterministic by seed."""
+    rng = np.random.default_rng(seed)
+    seen: dict[str, None] = {}
+    capacity = len(_COLORS) * len(_ADJ) * len(_OBJECTS) * len(_PLACES)
+    if num_prompts > capacity:
+        raise ValueError(f"builtin:objects can make at most {capacity} distinct prompts, asked for {num_prompts}")
+    while len(seen) < num_prompts:
+        p = (
+            f"a {_ADJ[rng.integers(len(_ADJ))]} {_COLORS[rng.integers(len(_COLORS))]} "
+            f"{_OBJECTS[rng.integers(len(_OBJECTS))]} {_PLACES[rng.integers(len(_PLACES))]}"
+        )
+        seen.setdefault(p, None)
+    return [{"prompt": p} for p in seen]
+
+
+# -- file parsers ----------------------------------------------------------------------------------
+
+
+def _row(obj: Any, where: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise PromptDataError(f"{where}: expected a JSON object with a 'prompt' field, got {type(obj).__name__}")
+    if "prompt" not in obj:
+        raise PromptDataError(f"{where}: missing the 'prompt' field (keys: {sorted(obj)})")
+    if not isinstance(obj["prompt"], str):
+        raise PromptDataError(f"{where}: 'prompt' must be a string, got {type(obj['prompt']).__name__}")
+    return dict(obj)
+
+
+def read_txt(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    name = name or str(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise PromptDataError(f"{name}:{line}: not valid UTF-8 ({exc.reason})") from exc
+    return [(f"{name}:{i}", {"prompt": line}) for i, line in enumerate(lines, start=1)]
+
+
+def read_jsonl(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    name = name or str(path)
+    rows = []
+    with path.open("rb") as fh:
+        for i, raw in enumerate(fh, start=1):
+            where = f"{name}:{i}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptDataError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
+            if not text.strip():
+                rows.append((where, {"prompt": ""}))  # counted as blank
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise PromptDataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+            rows.append((where, _row(obj, where)))
+    return rows
+
+
+def read_parquet(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    import pyarrow.parquet as pq
+
+    name = name or str(path)
+    table = pq.read_table(path)
+    if "prompt" not in table.column_names:
+        raise PromptDataError(f"{name}: no 'prompt' column (columns: {table.column_names})")
+    rows = []
+    for i, obj in enumerate(table.to_pylist(), start=1):
+        where = f"{name}: row {i}"
+        if obj.get("prompt") is None:
+            obj["prompt"] = ""
+        rows.append((where, _row(obj, where)))
+    return rows
+
+
+_READERS = {".txt": read_txt, ".jsonl": read_jsonl, ".parquet": read_parquet}
+
+
+def read_file(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        raise PromptDataError(f"{name or path}: unsupported prompt file type {path.suffix!r}; use .txt, .jsonl or .parquet")
+    if not path.is_file():
+        raise PromptDataError(f"{name or path}: file not found")
+    return reader(path, name)
+
+
+def clean_rows(rows: list[tuple[str, dict[str, Any]]], stats: dict[str, int], seen: set[str] | None = None) -> list[dict]:
+    """Strip prompts, drop (and count) blank and duplicate ones."""
+    seen = set() if seen is None else seen
+    out = []
+    for _where, row in rows:
+        prompt = row["prompt"].strip()
+        if not prompt:
+            stats["blank"] = stats.get("blank", 0) + 1
+            continue
+        if prompt in seen:
+            stats["duplicate"] = stats.get("duplicate", 0) + 1
+            continue
+        seen.add(prompt)
+        out.append({**row, "prompt": prompt})
+    return out
+
+
+def split_rows(rows: list[dict], test_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """Deterministic split by a seeded hash of the prompt text (order-independent)."""
+
+    def bucket(prompt: str) -> float:
+        h = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
+        return int.from_bytes(h[:8], "big") / 2**64
+
+    train = [r for r in rows if bucket(r["prompt"]) >= test_fraction]
+    test = [r for r in rows if bucket(r["prompt"]) < test_fraction]
+    if rows and not test:  # tiny sets: keep at least one held-out prompt
+        test, train = train[-1:], train[:-1]
+    return train, test
+
+
+def _hf_download(source: str) -> Path:
+    """``hf://datasets/<owner>/<repo>/<path>[@revision]`` -> local file (uses HF_TOKEN)."""
+    from huggingface_hub import hf_hub_download
+
+    from diffusionrl.models.sd3 import hf_token
+
+    spec = source[len("hf://datasets/") :]
+    revision = None
+    if "@" in spec:
+        spec, revision = spec.rsplit("@", 1)
+    parts = spec.split("/")
+    if len(parts) < 3:
+        raise PromptDataError(f"{source}: expected hf://datasets/<owner>/<repo>/<path>")
+    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
+    return Path(
+        hf_hub_download(repo_id, filename, repo_type="dataset", revision=revision, token=hf_token())
+    )
+
+
+def load_prompts(data_cfg, validate=None) -> PromptSet:
+    """Load, validate and split the prompts of ``data_cfg`` (a ``DataConfig``).
+
+    ``validate(rows, where)`` is an extra check (e.g. the OCR reward needs a quoted span).
+    """
+    source = data_cfg.source
+    stats: dict[str, int] = {}
+    given_split: tuple[list[dict], list[dict]] | None = None
+    if source == "builtin:objects":
+        rows = generate_object_prompts(data_cfg.num_prompts, data_cfg.seed)
+    elif source == "builtin:ocr":
+        from diffusionrl.data_ocr import generate_ocr_prompts
+
+        given_split = generate_ocr_prompts(data_cfg.num_prompts, data_cfg.seed, data_cfg.test_fraction)
+        rows = []
+    elif source.startswith("builtin:"):
+        raise PromptDataError(f"unknown built-in prompt generator {source!r}; use builtin:objects or builtin:ocr")
+    else:
+        path = _hf_download(source) if source.startswith("hf://datasets/") else Path(source).expanduser()
+        if path.is_dir():
+            given_split = _read_split_folder(path, stats)
+            rows = []
+        else:
+            rows = clean_rows(read_file(path, source), stats)
+    if given_split is None:
+        train, test = split_rows(rows, data_cfg.test_fraction, data_cfg.seed)
+    else:
+        train, test = given_split
+    if not train:
+        raise PromptDataError(f"{source}: no training prompts left after removing blank and duplicate rows")
+    if validate is not None:
+        validate(train, f"{source} (train)")
+        validate(test, f"{source} (test)")
+    stats.update({"train": len(train), "test": len(test), "blank": stats.get("blank", 0), "duplicate": stats.get("duplicate", 0)})
+    if stats["blank"] or stats["duplicate"]:
+        log.warning("%s: dropped %d blank and %d duplicate prompts", source, stats["blank"], stats["duplicate"])
+    return PromptSet(train=train, test=test, source=source, stats=stats)
+
+
+def _read_split_folder(folder: Path, stats: dict[str, int]) -> tuple[list[dict], list[dict]]:
+    for ext in (".jsonl", ".txt", ".parquet"):
+        train, test = folder / f"train{ext}", folder / f"test{ext}"
+        if train.is_file():
+            seen: set[str] = set()
+            train_rows = clean_rows(read_file(train), stats, seen)
+            test_rows = clean_rows(read_file(test), stats, seen) if test.is_file() else []
+            return train_rows, test_rows
+    raise PromptDataError(f"{folder}: no train.jsonl / train.txt / train.parquet in this folder")
+
+
+class PromptSampler:
+    """Which prompts a step uses: epoch-wise permutations seeded by (seed, epoch).
+
+    Step ``s`` takes the next ``per_step`` prompts of the stream, so the choice depends only on
+    the step number: a resumed run sees exactly the prompts the uninterrupted one would have.
+    """
+
+    def __init__(self, rows: list[dict], per_step: int, seed: int):
+        if not rows:
+            raise ValueError("PromptSampler needs at least one prompt")
+        self.rows = rows
+        self.per_step = per_step
+        self.seed = seed
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def batch(self, step: int) -> tuple[list[dict], int]:
+        """The rows of ``step`` and the data cursor after it."""
+        n = len(self.rows)
+        start = step * self.per_step
+        out = []
+        for pos in range(start, start + self.per_step):
+            epoch, offset = divmod(pos, n)
+            out.append(self.rows[int(self._perm(epoch)[offset])])
+        return out, start + self.per_step

@@ -1,0 +1,197 @@
+"""Score rewards on a pool of Ray CPU actors, with the call signature of ``MixtureReward``.
+
+``pool(images, prompts, metadata) -> (total [B], {name: RewardResult})``. A batch is cut into one
+contiguous shard per actor; shards are scored concurrently and put back in order. Each actor builds
+the ``MixtureReward`` of ``reward_cfg.weights`` once. An actor that dies (crash, OOM, ``ray.kill``)
+is replaced and its shard scored again, at most ``max_retries`` times per shard per call.
+``score_async`` starts a batch and returns a handle, so the caller can work while it is scored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+from .base import MixtureReward, RewardResult
+from .ocr import THREADS_ENV, validate_ocr_prompts
+
+log = logging.getLogger(__name__)
+
+
+class _RewardActor:
+    """One Ray actor holding a MixtureReward (made remote in ``RewardActorPool._actor_class``)."""
+
+    def __init__(self, reward_cfg, threads: int):
+        # Before any reward is built: onnxruntime (OCR) and torch read their thread counts once.
+        os.environ[THREADS_ENV] = str(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        self.scorer = MixtureReward(reward_cfg.weights, reward_cfg)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def score(self, images, prompts, metadata):
+        return self.scorer(images, prompts, metadata)
+
+
+def ensure_ray(num_cpus: int) -> bool:
+    """Start a local Ray with ``num_cpus`` CPUs unless one is running; True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    return True
+
+
+def merge_parts(shard_parts: list[dict[str, RewardResult]], sizes: list[int]) -> dict[str, RewardResult]:
+    """Concatenate scores, sum failures, average info weighted by shard size."""
+    merged: dict[str, RewardResult] = {}
+    for name in shard_parts[0]:
+        results = [parts[name] for parts in shard_parts]
+        keys = {k for r in results for k in r.info}
+        info = {}
+        for key in sorted(keys):
+            pairs = [(r.info[key], n) for r, n in zip(results, sizes) if key in r.info and n > 0]
+            if pairs:
+                info[key] = float(sum(v * n for v, n in pairs) / sum(n for _, n in pairs))
+        merged[name] = RewardResult(
+            np.concatenate([r.scores for r in results]), sum(r.failures for r in results), info
+        )
+    return merged
+
+
+class PendingScore:
+    """A batch being scored; ``result()`` waits, restarts dead actors and returns ``(total, parts)``."""
+
+    def __init__(self, pool: RewardActorPool, images, prompts, metadata):
+        self.pool = pool
+        bounds = np.linspace(0, len(prompts), min(pool.num_actors, len(prompts)) + 1).astype(int)
+        self.shards = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.inputs = [(images[s], list(prompts[s]), list(metadata[s])) for s in self.shards]
+        self.results: list = [None] * len(self.shards)
+        self.attempts = [0] * len(self.shards)
+        self.refs: dict = {}  # ObjectRef -> (shard index, actor handle it was sent to)
+        for k in range(len(self.shards)):
+            self._submit(k)
+
+    def _submit(self, k: int) -> None:
+        actor = self.pool.actors[k]
+        self.refs[actor.score.remote(*self.inputs[k])] = (k, actor)
+
+    def done(self) -> bool:
+        import ray
+
+        if not self.refs:
+            return True
+        ready, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self) -> tuple[np.ndarray, dict[str, RewardResult]]:
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        while self.refs:
+            (ref,), _ = ray.wait(list(self.refs), num_returns=1)
+            k, actor = self.refs.pop(ref)
+            try:
+                self.results[k] = ray.get(ref)
+            except (RayActorError, ActorUnavailableError) as exc:
+                self.attempts[k] += 1
+                if self.attempts[k] > self.pool.max_retries:
+                    raise RuntimeError(
+                        f"reward actor for shard {k} (samples {self.shards[k].start}-{self.shards[k].stop - 1}) "
+                        f"died {self.attempts[k]} times; last error: {exc}"
+                    ) from exc
+                log.warning("reward actor %d died (%s); restarting it and re-scoring its shard", k, exc)
+                self.pool._restart(k, actor)
+                self._submit(k)
+        if not self.shards:  # empty batch
+            return np.zeros(0, np.float32), {n: RewardResult(np.zeros(0, np.float32)) for n in self.pool.weights}
+        total = np.concatenate([t for t, _ in self.results]).astype(np.float32)
+        parts = merge_parts([p for _, p in self.results], [s.stop - s.start for s in self.shards])
+        return total, parts
+
+
+class RewardActorPool:
+    """``reward_cfg.num_actors`` Ray CPU actors scoring the weighted rewards of ``reward_cfg``."""
+
+    def __init__(
+        self,
+        reward_cfg,
+        num_actors: int | None = None,
+        cpus_per_actor: float = 1.0,
+        threads_per_actor: int | None = None,
+        max_retries: int = 2,
+    ):
+        """``threads_per_actor``: intra-op threads of each actor's OCR/torch (default ``max(1, cpus_per_actor)``,
+        so actors do not fight over cores); ``max_retries``: restarts of a dead actor per shard per call."""
+        import ray
+
+        self.reward_cfg = reward_cfg
+        self.weights = dict(reward_cfg.weights)
+        self.num_actors = int(num_actors if num_actors is not None else reward_cfg.num_actors)
+        if self.num_actors < 1:
+            raise ValueError(f"RewardActorPool needs num_actors >= 1, got {self.num_actors} (0 scores in-process)")
+        self.cpus_per_actor = cpus_per_actor
+        self.threads = int(threads_per_actor or max(1, int(cpus_per_actor)))
+        self.max_retries = max_retries
+        self.started_ray = ensure_ray(num_cpus=max(1, int(np.ceil(self.num_actors * cpus_per_actor))))
+        self._remote = ray.remote(num_cpus=cpus_per_actor)(_RewardActor)
+        self.actors = [self._new_actor() for _ in range(self.num_actors)]
+        self._wait_ready(range(self.num_actors))
+
+    def _new_actor(self):
+        return self._remote.remote(self.reward_cfg, self.threads)
+
+    def _wait_ready(self, indices) -> None:
+        import ray
+
+        t0 = time.perf_counter()
+        try:
+            ray.get([self.actors[i].ready.remote() for i in indices])
+        except Exception as exc:  # a reward that cannot be built: say so here, not at the first batch
+            raise RuntimeError(f"reward actors for {self.weights} failed to start: {exc}") from exc
+        log.info("%d reward actor(s) ready in %.1f s", len(list(indices)), time.perf_counter() - t0)
+
+    def _restart(self, k: int, dead) -> None:
+        """Replace actor ``k`` if it is still the ``dead`` handle (another batch may have done it)."""
+        import ray
+
+        if self.actors[k] is not dead:
+            return
+        try:
+            ray.kill(dead)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.actors[k] = self._new_actor()
+        self._wait_ready([k])
+
+    def score_async(self, images, prompts, metadata) -> PendingScore:
+        """Start scoring a batch; ``.result()`` on the returned handle gives ``(total, parts)``."""
+        if len(images) != len(prompts):
+            raise ValueError(f"reward pool: {len(images)} images but {len(prompts)} prompts")
+        metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
+        if "ocr" in self.weights:  # data errors name the batch row, not a row of some actor's shard
+            validate_ocr_prompts(prompts, metadata, source="ocr reward batch")
+        return PendingScore(self, images, prompts, metadata)
+
+    def __call__(self, images, prompts, metadata) -> tuple[np.ndarray, dict[str, RewardResult]]:
+        return self.score_async(images, prompts, metadata).result()
+
+    def close(self) -> None:
+        """Stop the actors (and the local Ray this pool started)."""
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors = []
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+            self.started_ray = False

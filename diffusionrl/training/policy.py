@@ -1,0 +1,91 @@
+"""The LoRA policy: the family adapter's transformer wrapped by peft, plus its EMA."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+from diffusionrl.models.sd3 import SD3Adapter
+
+
+class LoraPolicy:
+    """peft LoRA on the transformer's attention projections; only LoRA tensors train.
+
+    The reference model of the KL term is the same network with the adapter disabled
+    (``reference()``), so no second copy of the base weights is held.
+    """
+
+    def __init__(self, adapter: SD3Adapter, model_cfg, seed: int = 0):
+        self.adapter = adapter
+        targets = adapter.lora_targets(list(model_cfg.lora_targets))
+        lora_cfg = LoraConfig(
+            r=model_cfg.lora_rank,
+            lora_alpha=model_cfg.lora_alpha,
+            init_lora_weights="gaussian" if model_cfg.lora_init == "gaussian" else True,
+            target_modules=targets,
+            lora_dropout=0.0,
+        )
+        adapter.digest()  # digest of the base weights, taken before LoRA layers are injected
+        torch.manual_seed(seed)  # the LoRA A init is random: seed it so runs are reproducible
+        self.model = get_peft_model(adapter.transformer, lora_cfg)
+        self.model.eval()  # no dropout anywhere: rollout and training see the same function
+        if model_cfg.gradient_checkpointing:
+            self.model.get_base_model().enable_gradient_checkpointing()
+        self.lora_config = lora_cfg
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise RuntimeError("the LoRA policy has no trainable parameters")
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.params.values())
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the trainable tensors, keyed by ``named_parameters`` names."""
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def load_lora_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self.params) - set(state)
+        unknown = set(state) - set(self.params)
+        if missing or unknown:
+            raise KeyError(f"LoRA state mismatch: {len(missing)} missing, {len(unknown)} unknown tensors")
+        for name, value in state.items():
+            self.params[name].copy_(value)
+
+    def peft_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The adapter in peft's saved format (``adapter_model.safetensors`` key names)."""
+        if state is None:
+            return get_peft_model_state_dict(self.model)
+        live = self.lora_state()
+        self.load_lora_state(state)
+        try:
+            return {k: v.clone() for k, v in get_peft_model_state_dict(self.model).items()}
+        finally:
+            self.load_lora_state(live)
+
+    def engine_copy(self) -> torch.nn.Module:
+        """A separate copy of the wrapped transformer for an in-process rollout engine."""
+        return copy.deepcopy(self.model)
+
+    def reference(self):
+        """Context manager: inside it the model is the base model (LoRA disabled)."""
+        return self.model.disable_adapter()
+
+
+class EMA:
+    """Exponential moving average of tensors: ``shadow <- decay * shadow + (1 - decay) * value``."""
+
+    def __init__(self, state: dict[str, torch.Tensor], decay: float):
+        self.decay = decay
+        self.shadow = {n: t.detach().clone().float() for n, t in state.items()}
+
+    @torch.no_grad()
+    def update(self, params: dict[str, torch.Tensor], decay: float | None = None) -> None:
+        d = self.decay if decay is None else decay
+        for name, value in params.items():
+            self.shadow[name].mul_(d).add_(value.detach().float(), alpha=1.0 - d)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.shadow.items()}

@@ -1,0 +1,1 @@
+"""diffusionrl tests (a package so helpers in conftest are importable)."""

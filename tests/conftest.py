@@ -1,0 +1,46 @@
+"""Test setup: no network, private caches, tiny configs."""
+
+from __future__ import annotations
+
+import os
+
+# No hub access in tests: everything is built in code or shipped in a wheel.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("FLYTE_LOCAL_CACHE_ENABLED", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from diffusionrl.config import load_config  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# A training config small enough for a test: 2 groups x 4 samples, 32 px, 4 steps.
+TINY_OVERRIDES = [
+    "sampling.resolution=32",
+    "sampling.num_steps=4",
+    "train.prompts_per_step=2",
+    "train.group_size=4",
+    "train.micro_batch_size=4",
+    "train.steps=2",
+    "train.checkpoint_every=1",
+    "train.log_images_every=0",
+    "data.num_prompts=16",
+    "eval.num_steps=4",
+    "eval.num_prompts=2",
+]
+
+
+def tiny_config(*extra: str, preset: str = "tiny-cpu"):
+    return load_config(preset, overrides=TINY_OVERRIDES + list(extra))
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter():
+    """One tiny SD3 adapter for read-only uses (no LoRA attached)."""
+    from diffusionrl.models import SD3Adapter, build_tiny_sd3_pipeline
+
+    return SD3Adapter(build_tiny_sd3_pipeline(), device="cpu")

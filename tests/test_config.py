@@ -1,0 +1,63 @@
+"""Config presets, files, overrides and the error messages."""
+
+import json
+
+import pytest
+
+from diffusionrl.config import PRESETS, Config, ConfigError, get_preset, load_config
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_and_round_trips(name):
+    cfg = get_preset(name)
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    assert cfg.preset == name
+
+
+def test_reference_recipe_preset_matches_the_published_defaults():
+    cfg = get_preset("sd35m-ocr")
+    assert cfg.model.lora_rank == 32 and cfg.model.lora_alpha == 64
+    assert cfg.sampling.resolution == 512 and cfg.sampling.num_steps == 10 and cfg.sampling.guidance_scale == 4.5
+    assert cfg.algorithm.clip_range == 1e-4 and cfg.algorithm.kl_beta == 0.04 and cfg.algorithm.global_std
+    assert cfg.train.learning_rate == 3e-4 and cfg.train.mixed_precision == "fp16"
+    assert cfg.eval.num_steps == 40 and cfg.reward.weights == {"ocr": 1.0}
+
+
+def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'learning_rate'"):
+        load_config(overrides=["train.lerning_rate=1e-3"])
+    path = tmp_path / "c.yaml"
+    path.write_text("sampling:\n  num_step: 8\n")
+    with pytest.raises(ConfigError, match=r"c.yaml.*did you mean 'num_steps'"):
+        load_config(file=path)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config("tiny-gpu")
+
+
+def test_inconsistent_batch_settings_say_what_to_change():
+    with pytest.raises(ConfigError, match="use micro_batch_size=6"):
+        load_config(overrides=["train.prompts_per_step=3", "train.group_size=4", "train.micro_batch_size=8"])
+    with pytest.raises(ConfigError, match="window_range"):
+        load_config(overrides=["sampling.step_strategy=sde_window", "sampling.num_sde_steps=4", "sampling.window_range=[0, 2]"])
+    with pytest.raises(ConfigError, match="needs stochastic rollouts"):
+        load_config(overrides=["sampling.sde_type=ode"])
+
+
+def test_file_and_overrides_apply_in_order(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"preset": "tiny-cpu", "train": {"learning_rate": 0.01, "steps": 3}}))
+    cfg = load_config(file=path, overrides=["train.steps=7", "sampling.window_range=[1, 4]"])
+    assert cfg.train.learning_rate == 0.01 and cfg.train.steps == 7 and cfg.sampling.window_range == [1, 4]
+    assert cfg.digest() != load_config().digest()
+    assert load_config().digest() == load_config().digest()
+
+
+def test_values_are_type_checked_and_yaml_style_floats_accepted(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  learning_rate: 3e-4\n")
+    assert load_config(file=path).train.learning_rate == 3e-4
+    assert load_config(overrides=["train.learning_rate=1e-2"]).train.learning_rate == 0.01
+    with pytest.raises(ConfigError, match="train.steps must be of type int"):
+        load_config(overrides=["train.steps=many"])
+    with pytest.raises(ConfigError, match="must be a number"):
+        load_config(overrides=["algorithm.kl_beta=true"])
