@@ -158,6 +158,8 @@ class AlgorithmConfig:
         _positive("algorithm", "nft_adv_clip", self.nft_adv_clip)
         if not 0 <= self.old_policy_cap < 1:
             raise ConfigError(f"algorithm.old_policy_cap={self.old_policy_cap} must be in [0, 1)")
+        _positive("algorithm", "old_policy_rate", self.old_policy_rate, allow_zero=True)
+        _positive("algorithm", "old_policy_flat", self.old_policy_flat, allow_zero=True)
 
 
 @dataclass
@@ -166,6 +168,7 @@ class RewardConfig:
     num_actors: int = _f(0, "Ray CPU actors scoring rewards (0 scores in-process)")
     ocr_backend: str = _f("rapidocr", "OCR backend: rapidocr | paddleocr")
     ocr_model_dir: str = _f("", "PaddleOCR: folder holding det/ and rec/ model folders")
+    ocr_threads: int = _f(0, "onnxruntime intra-op threads per OCR engine (0: the backend's default)")
     pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "PickScore processor id or folder")
     pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore model id or folder")
 
@@ -196,6 +199,7 @@ class TrainConfig:
     checkpoint_every: int = _f(5, "Save a resumable checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = _f(2, "How many recent checkpoints to keep")
     log_images_every: int = _f(10, "Keep sample images every N steps (0 disables)")
+    save_latents: bool = _f(True, "Store latents and conditioning in the trajectory Parquet (rebuildable Trajectory)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "inner_epochs", "minibatches"):
@@ -259,6 +263,14 @@ class Config:
             raise ConfigError(
                 "algorithm.name=flow_grpo needs stochastic rollouts: set sampling.sde_type to sde or cps "
                 "(ode has no log-probs to train on)"
+            )
+        if self.algorithm.name == "nft" and self.algorithm.nft_adv_clip > self.algorithm.adv_clip_max:
+            ac = self.algorithm
+            lo = 0.5 - ac.adv_clip_max / (2 * ac.nft_adv_clip)
+            raise ConfigError(
+                f"algorithm.nft_adv_clip={ac.nft_adv_clip} exceeds algorithm.adv_clip_max={ac.adv_clip_max}: "
+                f"advantages are already clamped to +-{ac.adv_clip_max}, so DiffusionNFT's r would never leave "
+                f"[{lo:g}, {1 - lo:g}]; set nft_adv_clip <= adv_clip_max (the reference uses 5 for both)"
             )
         if self.train.mixed_precision != "no" and self.model.device == "cpu":
             raise ConfigError(
@@ -462,6 +474,7 @@ def _sd35m_ocr() -> dict[str, Any]:
             "ema_decay": 0.9,
             "checkpoint_every": 20,
             "log_images_every": 20,
+            "save_latents": False,
         },
         "eval": {"num_steps": 40, "guidance_scale": 4.5, "num_prompts": 1024},
         "data": {"source": "builtin:ocr", "num_prompts": 20000, "test_fraction": 0.05},
@@ -478,10 +491,87 @@ def _tiny_cpu_ocr() -> dict[str, Any]:
     }
 
 
+def _overlay(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``update`` laid over it, section by section (for presets built on presets)."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(out.get(key), dict) and isinstance(value, dict) and key != "weights":
+            out[key] = _overlay(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _tiny_cpu_nft() -> dict[str, Any]:
+    # DiffusionNFT on the tiny model: tiny-cpu's model, data and batch, CFG-free ODE rollouts of
+    # the EMA old policy (ALGORITHMS.md 7), the reference's KL weight and guidance strength.
+    # LoRA on the feed-forward and output projections too, and a larger learning rate: with the
+    # attention-only adapter at 3e-4 the tiny model's jpeg reward does not move within minutes;
+    # with these it gains ~8 first-step stds in 40 steps (bench/learning.py --compare nft).
+    return _overlay(
+        _tiny_cpu(),
+        {
+            "model": {"lora_targets": SD3_LORA_TARGETS + ["proj_out", "ff.net.0.proj", "ff.net.2"]},
+            "train": {"learning_rate": 1e-2},
+            "algorithm": {"name": "nft", "kl_beta": 0.0001, "nft_beta": 1.0},
+            "sampling": {"guidance_scale": 1.0},
+            "reward": {"weights": {"jpeg_compressibility": 1.0}},
+            "eval": {"guidance_scale": 1.0},
+        },
+    )
+
+
+def _sd35m_pickscore_nft() -> dict[str, Any]:
+    # DiffusionNFT's SD3.5-medium PickScore recipe (its config/nft.py sd3_pickscore, decay type 1)
+    # on one GPU: 8 groups of 8 instead of 48 x 24 over 8 GPUs, one optimizer step per rollout.
+    # The reference samples with a second-order DPM solver; ours are Euler ODE steps.
+    return {
+        "model": {
+            "name": "stabilityai/stable-diffusion-3.5-medium",
+            "dtype": "float16",
+            "device": "cuda",
+            "max_sequence_length": 128,
+            "lora_rank": 32,
+            "lora_alpha": 64,
+            "gradient_checkpointing": True,
+        },
+        "sampling": {"resolution": 512, "num_steps": 10, "guidance_scale": 1.0},
+        "algorithm": {
+            "name": "nft",
+            "kl_beta": 0.0001,
+            "nft_beta": 1.0,
+            "nft_adv_clip": 5.0,
+            "adv_clip_max": 5.0,
+            "global_std": True,
+            "old_policy_rate": 0.001,
+            "old_policy_flat": 0,
+            "old_policy_cap": 0.5,
+        },
+        "reward": {"weights": {"pickscore": 1.0}},
+        "train": {
+            "steps": 1000,
+            "prompts_per_step": 8,
+            "group_size": 8,
+            "micro_batch_size": 8,
+            "minibatches": 1,
+            "learning_rate": 3e-4,
+            "mixed_precision": "fp16",
+            "ema": True,
+            "ema_decay": 0.9,
+            "checkpoint_every": 20,
+            "log_images_every": 20,
+            "save_latents": False,
+        },
+        "eval": {"num_steps": 40, "guidance_scale": 1.0, "num_prompts": 1024},
+    }
+
+
 PRESETS: dict[str, Any] = {
     "tiny-cpu": _tiny_cpu,
     "tiny-cpu-ocr": _tiny_cpu_ocr,
     "sd35m-ocr": _sd35m_ocr,
+    "tiny-cpu-nft": _tiny_cpu_nft,
+    "sd35m-pickscore-nft": _sd35m_pickscore_nft,
 }
 
 

@@ -206,6 +206,18 @@ def _hf_download(source: str) -> Path:
     )
 
 
+def _fsspec_download(source: str) -> Path:
+    """An object-store file or folder (``s3://``, ``gs://``, ...) copied to a local temp path."""
+    import tempfile
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(source)
+    local = Path(tempfile.mkdtemp(prefix="prompts-")) / Path(path.rstrip("/")).name
+    fs.get(path, str(local), recursive=fs.isdir(path))
+    return local
+
+
 def load_prompts(data_cfg, validate=None) -> PromptSet:
     """Load, validate and split the prompts of ``data_cfg`` (a ``DataConfig``).
 
@@ -224,7 +236,12 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
     elif source.startswith("builtin:"):
         raise PromptDataError(f"unknown built-in prompt generator {source!r}; use builtin:objects or builtin:ocr")
     else:
-        path = _hf_download(source) if source.startswith("hf://datasets/") else Path(source).expanduser()
+        if source.startswith("hf://datasets/"):
+            path = _hf_download(source)
+        elif "://" in source:
+            path = _fsspec_download(source)
+        else:
+            path = Path(source).expanduser()
         if path.is_dir():
             given_split = _read_split_folder(path, stats)
             rows = []

@@ -2,5 +2,18 @@
 
 from .advantages import Advantages, group_advantages
 from .flow_grpo import FlowGRPOTerms, flow_grpo_terms, ratio_stats
+from .nft import NFTTerms, adaptive_weight, nft_optimality, nft_terms, noisy_latents, old_policy_eta
 
-__all__ = ["Advantages", "FlowGRPOTerms", "flow_grpo_terms", "group_advantages", "ratio_stats"]
+__all__ = [
+    "Advantages",
+    "FlowGRPOTerms",
+    "NFTTerms",
+    "adaptive_weight",
+    "flow_grpo_terms",
+    "group_advantages",
+    "nft_optimality",
+    "nft_terms",
+    "noisy_latents",
+    "old_policy_eta",
+    "ratio_stats",
+]

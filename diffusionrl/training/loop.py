@@ -11,6 +11,7 @@ trajectories, save Flyte checkpoints and stream MLflow metrics without the loop 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -92,7 +93,10 @@ class RLLoop:
         prompts: PromptSet | None = None,
         callbacks: list[Any] | None = None,
         progress: bool | None = None,
+        model_path: str | None = None,
     ):
+        """``model_path`` loads the base weights from a fetched folder; the run's identity
+        (checkpoint metadata, lineage) stays ``cfg.model.name`` and the weights' digest."""
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,8 +104,9 @@ class RLLoop:
         self.callbacks = list(callbacks or [])
         self.progress = progress
         torch.manual_seed(cfg.train.seed)
-        self.prompts = prompts if prompts is not None else load_prompts(cfg.data, validate=_validator(cfg))
-        self.adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
+        self.prompts = prompts if prompts is not None else load_prompts(cfg.data, validate=prompt_validator(cfg.reward))
+        model_cfg = dataclasses.replace(cfg.model, name=model_path) if model_path else cfg.model
+        self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
         self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
         self.trainer = Trainer(cfg, self.policy)
         self.objective = build_objective(cfg, self.policy)
@@ -333,9 +338,9 @@ def _read_metrics(path: Path, upto: int) -> list[dict[str, float]]:
     return rows
 
 
-def _validator(cfg: Config):
+def prompt_validator(reward_cfg):
     """Extra prompt checks the configured rewards need (OCR needs a quoted target)."""
-    if "ocr" not in cfg.reward.weights:
+    if "ocr" not in reward_cfg.weights:
         return None
     from diffusionrl.rewards.ocr import validate_ocr_prompts
 
@@ -362,9 +367,10 @@ def save_grid(images: np.ndarray, path: Path, cols: int) -> Path:
 
 
 def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", stop_after: int | None = None,
-          callbacks: list[Any] | None = None, progress: bool | None = None) -> TrainResult:
+          callbacks: list[Any] | None = None, progress: bool | None = None, prompts: PromptSet | None = None,
+          model_path: str | None = None) -> TrainResult:
     """Build a loop for ``cfg`` and run it (the library entry point)."""
-    loop = RLLoop(cfg, out_dir, callbacks=callbacks, progress=progress)
+    loop = RLLoop(cfg, out_dir, prompts=prompts, callbacks=callbacks, progress=progress, model_path=model_path)
     try:
         return loop.run(resume=resume, stop_after=stop_after)
     finally:

@@ -1,0 +1,58 @@
+"""Resolve a model reference to a local diffusers folder plus a content digest.
+
+- ``builtin:tiny-sd3``: written in code (no download);
+- a local folder: used in place (checked to be a diffusers pipeline folder);
+- a hub id (``stabilityai/stable-diffusion-3.5-medium``): ``snapshot_download`` at ``revision``
+  with ``HF_TOKEN`` (gated models); the token is passed to the hub client only, never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from .sd3 import hf_token
+from .tiny import TINY_REF, save_tiny_sd3
+
+log = logging.getLogger(__name__)
+
+# What a diffusers SD3 pipeline needs; skips the single-file checkpoints hubs also hold.
+ALLOW_PATTERNS = ["model_index.json", "*/config.json", "*/*.safetensors", "*/*.safetensors.index.json",
+                  "scheduler/*", "tokenizer*/*", "*/generation_config.json"]
+
+
+def folder_digest(folder: str | Path) -> str:
+    """sha256 over (relative path, bytes) of every file, in path order."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel.startswith(".cache/") or "/.cache/" in rel:
+            continue
+        h.update(rel.encode() + b"\x00")
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_model(reference: str, revision: str, dest: str | Path) -> Path:
+    """A local diffusers folder for ``reference`` (``dest`` is used for builtin and hub models)."""
+    dest = Path(dest)
+    if reference == TINY_REF:
+        return save_tiny_sd3(dest)
+    path = Path(reference).expanduser()
+    if path.exists():
+        if not (path / "model_index.json").is_file():
+            raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+        return path
+    if reference.startswith("builtin:"):
+        raise ValueError(f"unknown builtin model {reference!r}; the built-in image model is {TINY_REF!r}")
+    from huggingface_hub import snapshot_download
+
+    log.info("downloading %s@%s", reference, revision or "main")
+    return Path(
+        snapshot_download(reference, revision=revision or None, token=hf_token(), local_dir=str(dest),
+                          allow_patterns=ALLOW_PATTERNS)
+    )

@@ -1,0 +1,114 @@
+"""The run report: one self-contained HTML page (config, curves, eval table, grids, artifacts)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+
+def _png_b64(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _img(image: np.ndarray, alt: str, width: int | None = None) -> str:
+    style = f' style="width:{width}px;image-rendering:pixelated"' if width else ' style="image-rendering:pixelated"'
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{_png_b64(image)}"{style}>'
+
+
+def curves_png(metrics: pd.DataFrame) -> np.ndarray | None:
+    """Reward, loss and KL curves against the step, as an RGB array (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("rollout/reward/raw_mean", "reward (mean)"),
+        ("train/loss", "loss"),
+        ("train/kl_loss", "KL to reference"),
+        ("train/approx_kl", "approx KL (old vs new)"),
+    ]
+    panels = [(k, t) for k, t in panels if k in metrics.columns]
+    if metrics.empty or not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3), dpi=80)
+    axes = np.atleast_1d(axes)
+    for ax, (key, title) in zip(axes, panels):
+        ax.plot(metrics["step"], metrics[key], marker=".")
+        if key == "rollout/reward/raw_mean" and "rollout/reward/raw_std" in metrics.columns:
+            m, s = metrics[key], metrics["rollout/reward/raw_std"]
+            ax.fill_between(metrics["step"], m - s, m + s, alpha=0.2)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.canvas.draw()
+    image = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    plt.close(fig)
+    return image
+
+
+def build_report(
+    *,
+    config: dict[str, Any],
+    metrics: pd.DataFrame,
+    eval_table: pd.DataFrame | None,
+    eval_summary: dict[str, float] | None,
+    grid: np.ndarray | None,
+    sample_grids: dict[str, np.ndarray] | None = None,
+    artifacts: dict[str, str] | None = None,
+    title: str = "diffusionrl run report",
+) -> str:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;margin:1.5em;max-width:1400px}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}th{background:#f4f4f4}"
+        "h2{border-bottom:1px solid #ddd}.ok{color:#070}.bad{color:#a00}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    if eval_summary:
+        gain = eval_summary.get("eval/reward_gain", 0.0)
+        verdict = "ok" if gain > 0 else "bad"
+        parts.append(
+            f"<p class='{verdict}'><b>Tuned vs base on held-out prompts:</b> reward "
+            f"{eval_summary.get('eval/base_reward_mean', float('nan')):.6g} &rarr; "
+            f"{eval_summary.get('eval/reward_mean', float('nan')):.6g} (gain {gain:+.3g}), "
+            f"win rate {eval_summary.get('eval/win_rate', float('nan')):.2f} over "
+            f"{int(eval_summary.get('eval/num_prompts', 0))} prompts.</p>"
+        )
+    curves = curves_png(metrics) if metrics is not None else None
+    if curves is not None:
+        parts += ["<h2>Training curves</h2>", _img(curves, "training curves")]
+    if eval_summary:
+        parts.append("<h2>Evaluation summary</h2><table>")
+        parts += [f"<tr><th>{html.escape(k)}</th><td>{v:.6g}</td></tr>" for k, v in sorted(eval_summary.items())]
+        parts.append("</table>")
+    if grid is not None:
+        parts += ["<h2>Held-out prompts: base (top) vs tuned (bottom), same seeds</h2>", _img(grid, "eval grid", width=min(1400, grid.shape[1] * 2))]
+    if eval_table is not None and not eval_table.empty:
+        parts += ["<h2>Per-prompt evaluation</h2>", eval_table.to_html(index=False, float_format=lambda x: f"{x:.6g}")]
+    for name, image in (sample_grids or {}).items():
+        parts += [f"<h2>Training samples: {html.escape(name)}</h2>", _img(image, name, width=min(1400, image.shape[1] * 2))]
+    if artifacts:
+        parts.append("<h2>Where everything lives</h2><table>")
+        parts += [f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>" for k, v in artifacts.items()]
+        parts.append("</table>")
+    if metrics is not None and not metrics.empty:
+        last = metrics.iloc[-1].to_dict()
+        parts += ["<h2>Last step metrics</h2><table>"]
+        parts += [f"<tr><th>{html.escape(str(k))}</th><td>{v:.6g}</td></tr>" for k, v in sorted(last.items()) if isinstance(v, (int, float))]
+        parts.append("</table>")
+    parts += ["<h2>Configuration</h2>", f"<pre>{html.escape(json.dumps(config, indent=1, sort_keys=True))}</pre>"]
+    parts.append("</body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,218 @@
+"""The DiffusionNFT objective (ALGORITHMS.md section 7) on the shared trainer.
+
+Rollouts are deterministic (ODE) samples of the *old* policy ``theta_old``, an EMA of the trained
+LoRA that this objective owns: ``rollout_state()`` hands it to the engine, ``state_tensors()`` /
+``load_state_tensors()`` carry it through checkpoints. Each sample's clean latent ``x0`` is
+re-noised at T-1 of the rollout's T noise levels, in a random order per sample, and the NFT loss
+compares the trained velocity ``v_theta`` with the old one ``v_old`` at each of them.
+
+One work unit per (micro-batch, timestep slot), counted by the micro-batch's active samples, so
+the trainer's sum / count rule makes the gradient independent of the micro-batch split. The
+micro-batches keep the rollout's composition (SD3 outputs depend on the batch they ran in).
+Timesteps and noises are drawn per sample from ``numpy.random.default_rng`` seeded by
+``(train.seed, step, inner epoch, sample index)``: a resumed run draws what the uninterrupted run
+drew, however the batch is split.
+
+``v_old`` is computed by the policy's own network with the old LoRA tensors copied in for that
+forward (and the live ones copied back before the trained forward): one set of layers, exact
+copies, no second adapter whose ``requires_grad`` flags peft would manage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diffusionrl.algorithms.nft import nft_terms, noisy_latents, old_policy_eta
+from diffusionrl.trajectory import Trajectory
+
+from .checkpoint import CheckpointMismatch
+from .policy import EMA, LoraPolicy
+from .trainer import Trainer, Unit, UpdateStats
+
+# Distinct first words of the seed sequences, so each random stream of a step is its own.
+_TIMESTEP_STREAM = 0x4E4654  # "NFT"
+_NOISE_STREAM = 0x4E4F4953  # "NOIS"
+_ORDER_STREAM = 0x4F524452  # "ORDR"
+
+
+@dataclass
+class TimestepPlan:
+    """The noise levels and noises of one inner epoch of one step.
+
+    Per sample, ``slots`` = T-1 of the rollout's T noise levels ``sigmas[0..T-1]`` (never the final
+    0) in random order, and one Gaussian noise per (sample, slot), drawn when a unit needs it.
+    """
+
+    seed: int
+    step: int
+    epoch: int
+    indices: np.ndarray  # [B, K] int: indices into traj.sigmas, K = T - 1, random order per sample
+    shape: tuple[int, ...]  # latent shape (C, H, W)
+
+    @classmethod
+    def draw(cls, seed: int, step: int, epoch: int, batch: int, num_steps: int, shape: tuple[int, ...]) -> "TimestepPlan":
+        slots = num_steps - 1
+        rows = [
+            np.random.default_rng([_TIMESTEP_STREAM, seed, step, epoch, i]).permutation(num_steps)[:slots]
+            for i in range(batch)
+        ]
+        return cls(seed, step, epoch, np.stack(rows), tuple(shape))
+
+    @property
+    def slots(self) -> int:
+        return int(self.indices.shape[1])
+
+    def noise(self, rows: range, slot: int) -> torch.Tensor:
+        """``[len(rows), C, H, W]`` float32 standard normal noise of samples ``rows`` at ``slot``."""
+        draws = [
+            np.random.default_rng([_NOISE_STREAM, self.seed, self.step, self.epoch, i, slot]).standard_normal(
+                self.shape, dtype=np.float32
+            )
+            for i in rows
+        ]
+        return torch.from_numpy(np.stack(draws))
+
+
+class NFTObjective:
+    """DiffusionNFT: likelihood-free policy improvement against an EMA old policy."""
+
+    name = "nft"
+
+    def __init__(self, cfg, policy: LoraPolicy):
+        self.cfg = cfg
+        self.policy = policy
+        self.adapter = policy.adapter
+        # The timestep the transformer sees at noise level t (SD3: t * 1000).
+        self.num_train_timesteps = float(self.adapter.scheduler.config.num_train_timesteps)
+        self.old = EMA(policy.lora_state(), decay=0.0)  # theta_old starts equal to theta
+
+    # -- the old policy ----------------------------------------------------------------------------
+    def rollout_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA the rollout engine samples with: the old policy, keyed like ``lora_state()``."""
+        return self.old.state()
+
+    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"old": self.old.state()}
+
+    def load_state_tensors(self, groups: dict[str, dict[str, torch.Tensor]]) -> None:
+        if "old" not in groups:
+            raise CheckpointMismatch(
+                f"the checkpoint has no old-policy tensors (groups: {sorted(groups)}); it was not written "
+                "by a DiffusionNFT run: start a fresh run or resume with the checkpoint's algorithm"
+            )
+        state = groups["old"]
+        missing, unknown = set(self.policy.params) - set(state), set(state) - set(self.policy.params)
+        if missing or unknown:
+            raise CheckpointMismatch(
+                f"old-policy tensors do not match the LoRA: {len(missing)} missing, {len(unknown)} unknown"
+            )
+        self.old.shadow = {
+            n: state[n].to(device=p.device, dtype=torch.float32).clone() for n, p in self.policy.params.items()
+        }
+
+    def update_old_policy(self, steps_done: int) -> float:
+        """``theta_old <- eta * theta_old + (1 - eta) * theta`` after ``steps_done`` RL steps.
+
+        ``eta = min(rate * max(steps_done - flat, 0), cap)``: ``steps_done`` counts completed
+        steps (1 after the first), as the reference counts optimizer steps with one per rollout.
+        """
+        ac = self.cfg.algorithm
+        eta = old_policy_eta(steps_done, ac.old_policy_rate, ac.old_policy_flat, ac.old_policy_cap)
+        self.old.update(self.policy.params, decay=eta)
+        return eta
+
+    @contextlib.contextmanager
+    def old_weights(self):
+        """Inside: the policy network carries the old LoRA tensors (use under ``no_grad``)."""
+        live = self.policy.lora_state()
+        self.policy.load_lora_state(self.old.shadow)
+        try:
+            yield
+        finally:
+            self.policy.load_lora_state(live)
+
+    # -- work units --------------------------------------------------------------------------------
+    def plan(self, traj: Trajectory, step: int, epoch: int) -> TimestepPlan:
+        shape = tuple(traj.latents.shape[2:])
+        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, traj.batch_size, traj.num_steps, shape)
+
+    def units(self, traj: Trajectory, chunks: list[slice], active: torch.Tensor, plan: TimestepPlan) -> list[Unit]:
+        """One unit per (micro-batch, slot); micro-batches without an active sample are skipped."""
+        if traj.advantages is None:
+            raise ValueError("DiffusionNFT needs scored trajectories: traj.advantages is None")
+        units: list[Unit] = []
+        for sl in chunks:
+            mask = active[sl].to(torch.bool)  # [m]
+            count = float(mask.sum())
+            if count == 0:
+                continue
+            for slot in range(plan.slots):
+                units.append(Unit(count, self._make(traj, sl, slot, mask, plan)))
+        return units
+
+    def _make(self, traj: Trajectory, sl: slice, slot: int, mask: torch.Tensor, plan: TimestepPlan):
+        def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            ac = self.cfg.algorithm
+            device = self.adapter.device
+            model, g = self.policy.model, traj.guidance_scale
+            x0 = traj.latents[sl, -1].to(device)  # [m, C, H, W] clean final latents
+            idx = torch.as_tensor(plan.indices[sl, slot], dtype=torch.long)  # [m]
+            t = traj.sigmas[idx].to(device)  # [m] noise levels
+            eps = plan.noise(range(sl.start, sl.stop), slot).to(device)  # [m, C, H, W]
+            x_t = noisy_latents(x0, eps, t)
+            timestep = t * self.num_train_timesteps  # [m]
+            cond = traj.conditioning.select(sl).to(device)
+            with torch.no_grad(), self.old_weights():
+                v_old = self.adapter.velocity(model, x_t, timestep, cond, g)
+            v = self.adapter.velocity(model, x_t, timestep, cond, g)
+            v_ref = None
+            if ac.kl_beta > 0:
+                with torch.no_grad(), self.policy.reference():
+                    v_ref = self.adapter.velocity(model, x_t, timestep, cond, g)
+            terms = nft_terms(
+                v, v_old, x0, x_t, t, traj.advantages[sl].to(device),
+                beta=ac.nft_beta, adv_clip=ac.nft_adv_clip, kl_beta=ac.kl_beta, v_ref=v_ref,
+            )
+            m = mask.to(device).float()
+            with torch.no_grad():  # sums over the active samples; the trainer divides by the counts
+                deviate = ((v.detach() - v_old) ** 2).mean(dim=tuple(range(1, v.ndim)))
+                stats = {
+                    "nft_loss": (terms.policy_loss.detach() * m).sum(),
+                    "nft_pos": (terms.positive.detach() * m).sum(),
+                    "nft_neg": (terms.negative.detach() * m).sum(),
+                    "nft_r_mean": (terms.r * m).sum(),
+                    "nft_old_deviate": (deviate * m).sum(),
+                    "kl_loss": (terms.kl.detach() * m).sum(),
+                    "loss": (terms.loss.detach() * m).sum(),
+                }
+            return (terms.loss * m).sum(), stats
+
+        return compute
+
+    # -- one RL step -------------------------------------------------------------------------------
+    def train_step(self, trainer: Trainer, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
+        """Inner epochs x minibatches optimizer steps on one rollout, then the old-policy update.
+
+        Each inner epoch draws fresh timesteps and noises; the micro-batch order is shuffled
+        (composition kept).
+        """
+        tc = self.cfg.train
+        chunks = traj.micro_batches()
+        per_mb = len(chunks) // tc.minibatches
+        rng = np.random.default_rng([_ORDER_STREAM, tc.seed, step])
+        stats = UpdateStats()
+        for epoch in range(tc.inner_epochs):
+            plan = self.plan(traj, step, epoch)
+            order = rng.permutation(len(chunks))
+            for k in range(tc.minibatches):
+                selected = [chunks[i] for i in order[k * per_mb : (k + 1) * per_mb]]
+                trainer.apply(self.units(traj, selected, active, plan), stats)
+        eta = self.update_old_policy(step + 1)
+        metrics = stats.means()
+        metrics["train/lr"] = trainer.lr()
+        metrics["train/old_policy_eta"] = eta
+        return metrics

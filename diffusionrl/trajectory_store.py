@@ -1,0 +1,185 @@
+"""Trajectory Parquet: one file per RL step, one row per sample (schema in docs/trajectories.md).
+
+Written with pyarrow, readable with plain pandas (``pd.read_parquet(dir)``). The schema version
+is stored in the file's key-value metadata (``diffusionrl.schema_version``) and in a column.
+``read_trajectories`` loads files back into ``Trajectory`` objects for offline re-scoring or
+analysis when the latents (and conditioning) were stored.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from diffusionrl.trajectory import Conditioning, Trajectory
+
+SCHEMA_VERSION = 1
+
+BASE_COLUMNS = [
+    "schema_version",  # int32
+    "run_id",  # string
+    "step",  # int64: the RL step (1-based) this rollout trained
+    "policy_version",  # int64: weights version the engine sampled with
+    "sample_index",  # int32: row within the step
+    "group_id",  # int64
+    "prompt",  # string
+    "seed",  # int64
+    "reward",  # float32: weighted total
+    "advantage",  # float32
+    "log_probs",  # list<float32> [T]: 0 at deterministic steps
+    "sigmas",  # list<float32> [T+1]
+    "timesteps",  # list<float32> [T]
+    "sde_steps",  # list<int32>: indices of the stochastic steps
+    "guidance_scale",  # float32
+    "sde_type",  # string
+    "noise_level",  # float32
+    "micro_batch_size",  # int32: batch composition used for sampling
+    "metadata_json",  # string: the prompt row's metadata as JSON
+]
+OPTIONAL_COLUMNS = [
+    "reward_<name>",  # float32 per reward component
+    "image_png",  # binary: PNG bytes of the decoded image
+    "latents",  # list<float32>: [T+1, C, H, W] flattened (latent_shape gives the shape)
+    "latent_shape",  # list<int32>: [T+1, C, H, W]
+    "prompt_embeds",  # list<float32> + embeds_shape [S, D] (and the pooled/negative ones)
+]
+
+
+def _png(image: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _flat(t: torch.Tensor) -> list[np.ndarray]:
+    return [row.reshape(-1).numpy().astype(np.float32) for row in t.detach().cpu().float()]
+
+
+def trajectory_table(traj: Trajectory, *, run_id: str, step: int, images: bool = True, latents: bool = False) -> pa.Table:
+    """One Arrow table of a scored trajectory (rewards and advantages must be set)."""
+    if traj.rewards is None or traj.advantages is None:
+        raise ValueError("trajectory_table needs a scored trajectory (rewards and advantages)")
+    b, t = traj.batch_size, traj.num_steps
+    sde_steps = [np.flatnonzero(row.numpy()).astype(np.int32) for row in traj.sde_mask]
+    meta = traj.metadata or [{}] * b
+    cols: dict[str, pa.Array] = {
+        "schema_version": pa.array([SCHEMA_VERSION] * b, pa.int32()),
+        "run_id": pa.array([run_id] * b, pa.string()),
+        "step": pa.array([step] * b, pa.int64()),
+        "policy_version": pa.array([traj.policy_version] * b, pa.int64()),
+        "sample_index": pa.array(range(b), pa.int32()),
+        "group_id": pa.array(traj.group_ids.tolist(), pa.int64()),
+        "prompt": pa.array(traj.prompts, pa.string()),
+        "seed": pa.array(traj.seeds.tolist(), pa.int64()),
+        "reward": pa.array(traj.rewards.numpy(), pa.float32()),
+        "advantage": pa.array(traj.advantages.numpy(), pa.float32()),
+        "log_probs": pa.array(list(traj.log_probs.numpy()), pa.list_(pa.float32())),
+        "sigmas": pa.array([traj.sigmas.numpy()] * b, pa.list_(pa.float32())),
+        "timesteps": pa.array([traj.timesteps.numpy()] * b, pa.list_(pa.float32())),
+        "sde_steps": pa.array(sde_steps, pa.list_(pa.int32())),
+        "guidance_scale": pa.array([traj.guidance_scale] * b, pa.float32()),
+        "sde_type": pa.array([traj.sde_type] * b, pa.string()),
+        "noise_level": pa.array([traj.noise_level] * b, pa.float32()),
+        "micro_batch_size": pa.array([traj.micro_batch_size] * b, pa.int32()),
+        "metadata_json": pa.array([json.dumps(m, sort_keys=True, default=str) for m in meta], pa.string()),
+    }
+    for name, values in sorted(traj.reward_components.items()):
+        cols[f"reward_{name}"] = pa.array(values.numpy(), pa.float32())
+    if images and traj.images is not None:
+        cols["image_png"] = pa.array([_png(im) for im in traj.images], pa.binary())
+    if latents:
+        cols["latents"] = pa.array(_flat(traj.latents), pa.list_(pa.float32()))
+        cols["latent_shape"] = pa.array([list(traj.latents.shape[1:])] * b, pa.list_(pa.int32()))
+        cond = traj.conditioning
+        for name in ("prompt_embeds", "pooled_embeds", "negative_prompt_embeds", "negative_pooled_embeds"):
+            value = getattr(cond, name)
+            if value is not None:
+                cols[name] = pa.array(_flat(value), pa.list_(pa.float32()))
+                cols[f"{name}_shape"] = pa.array([list(value.shape[1:])] * b, pa.list_(pa.int32()))
+    table = pa.table(cols)
+    meta_kv = {b"diffusionrl.schema_version": str(SCHEMA_VERSION).encode(), b"diffusionrl.num_steps": str(t).encode()}
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), **meta_kv})
+
+
+def write_step(directory: str | Path, traj: Trajectory, *, run_id: str, step: int, images: bool = True,
+               latents: bool = False) -> Path:
+    """Write ``step-XXXXXX.parquet`` atomically; returns its path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{step:06d}.parquet"
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(trajectory_table(traj, run_id=run_id, step=step, images=images, latents=latents), tmp)
+    tmp.replace(path)
+    return path
+
+
+def list_step_files(directory: str | Path) -> list[Path]:
+    return sorted(Path(directory).glob("step-*.parquet"))
+
+
+def _tensor(rows, shapes) -> torch.Tensor:
+    return torch.stack([torch.as_tensor(np.asarray(r, dtype=np.float32)).reshape(list(s)) for r, s in zip(rows, shapes)])
+
+
+def read_trajectory(path: str | Path) -> Trajectory:
+    """One step file back into a ``Trajectory`` (needs the optional latent/embedding columns)."""
+    table = pq.read_table(path)
+    version = int((table.schema.metadata or {}).get(b"diffusionrl.schema_version", b"0"))
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"{path}: trajectory schema version {version}, this reader knows {SCHEMA_VERSION}")
+    if "latents" not in table.column_names:
+        raise ValueError(
+            f"{path} was written without latents; re-score it from its images (column image_png) or "
+            "write trajectories with latents to rebuild Trajectory objects"
+        )
+    d = table.to_pydict()
+    b = len(d["prompt"])
+    t = len(d["timesteps"][0])
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, steps in enumerate(d["sde_steps"]):
+        mask[i, list(steps)] = True
+
+    def emb(name):
+        return _tensor(d[name], d[f"{name}_shape"]) if name in d else None
+
+    images = None
+    if "image_png" in d:
+        from PIL import Image
+
+        images = np.stack([np.asarray(Image.open(io.BytesIO(png)).convert("RGB")) for png in d["image_png"]])
+    components = {c[len("reward_"):]: torch.tensor(d[c], dtype=torch.float32) for c in d if c.startswith("reward_")}
+    return Trajectory(
+        prompts=list(d["prompt"]),
+        group_ids=torch.tensor(d["group_id"], dtype=torch.int64),
+        seeds=torch.tensor(d["seed"], dtype=torch.int64),
+        sigmas=torch.tensor(d["sigmas"][0], dtype=torch.float32),
+        timesteps=torch.tensor(d["timesteps"][0], dtype=torch.float32),
+        sde_mask=mask,
+        latents=_tensor(d["latents"], d["latent_shape"]),
+        log_probs=torch.tensor(d["log_probs"], dtype=torch.float32),
+        conditioning=Conditioning(emb("prompt_embeds"), emb("pooled_embeds"), emb("negative_prompt_embeds"),
+                                  emb("negative_pooled_embeds")),
+        guidance_scale=float(d["guidance_scale"][0]),
+        sde_type=d["sde_type"][0],
+        noise_level=float(d["noise_level"][0]),
+        micro_batch_size=int(d["micro_batch_size"][0]),
+        policy_version=int(d["policy_version"][0]),
+        images=images,
+        rewards=torch.tensor(d["reward"], dtype=torch.float32),
+        reward_components=components,
+        advantages=torch.tensor(d["advantage"], dtype=torch.float32),
+        metadata=[json.loads(m) for m in d["metadata_json"]],
+    )
+
+
+def read_trajectories(directory: str | Path) -> list[Trajectory]:
+    """Every step of a run, in step order."""
+    return [read_trajectory(p) for p in list_step_files(directory)]

@@ -1,0 +1,1 @@
+"""Flyte tasks: thin wrappers that unpack typed inputs, call ``diffusionrl`` and pack outputs."""

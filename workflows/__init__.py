@@ -1,0 +1,1 @@
+"""Flyte workflows (``pyflyte run workflows/grpo.py grpo``)."""
