@@ -2,6 +2,7 @@
 
 from .checkpoint import CheckpointMismatch, latest_checkpoint, load_checkpoint, save_checkpoint
 from .loop import RLLoop, TrainResult, train
+from .nft import NFTObjective
 from .policy import EMA, LoraPolicy
 from .trainer import FlowGRPOObjective, Trainer
 
@@ -10,6 +11,7 @@ __all__ = [
     "EMA",
     "FlowGRPOObjective",
     "LoraPolicy",
+    "NFTObjective",
     "RLLoop",
     "TrainResult",
     "Trainer",

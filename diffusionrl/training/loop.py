@@ -251,7 +251,8 @@ class RLLoop:
         if state.scaler and self.trainer.scaler.is_enabled():
             self.trainer.scaler.load_state_dict(state.scaler)
         if self.trainer.ema is not None and "ema" in state.tensors:
-            self.trainer.ema.shadow = {k: v.clone() for k, v in state.tensors["ema"].items()}
+            device = self.adapter.device
+            self.trainer.ema.shadow = {k: v.to(device).clone() for k, v in state.tensors["ema"].items()}
         loader = getattr(self.objective, "load_state_tensors", None)
         if loader:
             loader(state.tensors)

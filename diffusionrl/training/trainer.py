@@ -183,10 +183,11 @@ class FlowGRPOObjective:
             )
             m = mask.to(device).float()
             new_m, old_m = out.log_prob.detach()[m > 0], old[m > 0]
-            stats = {k: v / m.sum() for k, v in ratio_stats(new_m, old_m, ac.clip_range).items()}
-            stats["policy_loss"] = (terms.policy_loss.detach() * m).sum() / m.sum()
-            stats["kl_loss"] = (terms.kl.detach() * m).sum() / m.sum()
-            stats["loss"] = (terms.loss.detach() * m).sum() / m.sum()
+            # Sums over the unit's active pairs; UpdateStats divides by the total count once.
+            stats = ratio_stats(new_m, old_m, ac.clip_range)
+            stats["policy_loss"] = (terms.policy_loss.detach() * m).sum()
+            stats["kl_loss"] = (terms.kl.detach() * m).sum()
+            stats["loss"] = (terms.loss.detach() * m).sum()
             if diff_probe is not None and diff_probe.get("open", False):
                 diff_probe["sum"] = diff_probe.get("sum", 0.0) + float((new_m - old_m).abs().sum())
                 diff_probe["count"] = diff_probe.get("count", 0) + int(m.sum())
