@@ -25,8 +25,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
+# The main job on the embedded default (tiny-cpu): the Flyte workflow, executed locally.
 demo: setup
-	$(BIN)/python -m diffusionrl.train --preset tiny-cpu --out runs/demo
+	rm -rf runs/demo
+	HF_HUB_OFFLINE=1 $(BIN)/pyflyte run workflows/grpo.py grpo --checkpoint_dir $(CURDIR)/runs/demo
+	@echo ""
+	@echo "report:       runs/demo/report.html"
+	@echo "LoRA:         runs/demo/lora (EMA: runs/demo/lora_ema when train.ema is on)"
+	@echo "trajectories: runs/demo/trajectories/step-*.parquet"
+	@echo "metrics:      runs/demo/metrics.jsonl, checkpoints: runs/demo/checkpoints"
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 test: setup
@@ -37,6 +44,8 @@ bench: setup
 	$(BIN)/python bench/exactness.py
 	$(BIN)/python bench/rollout_overhead.py
 	$(BIN)/python bench/learning.py
+	$(BIN)/python bench/rewards.py
+	$(BIN)/python bench/pipeline_overhead.py
 
 clean:
 	rm -rf runs .pytest_cache

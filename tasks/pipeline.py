@@ -244,4 +244,6 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
     Deck("Report", page)
     out = Path(tempfile.mkdtemp(dir=current_context().working_directory)) / "report.html"
     out.write_text(page)
+    if Path(run_dir).is_dir():  # local runs: keep a copy next to the LoRA and trajectories
+        (Path(run_dir) / "report.html").write_text(page)
     return FlyteFile(str(out))

@@ -22,6 +22,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 TINY_OVERRIDES = [
     "sampling.resolution=32",
     "sampling.num_steps=4",
+    "sampling.window_range=[0, 3]",
     "train.prompts_per_step=2",
     "train.group_size=4",
     "train.micro_batch_size=4",
