@@ -125,18 +125,19 @@ class LocalRolloutEngine:
         """Sample one micro-batch; returns latents ``[m, T+1, C, H, W]`` and log-probs ``[m, T]``."""
         device = self.adapter.device
         shape = self.adapter.latent_shape(spec.resolution)
-        # One generator per sample: a sample's noise depends on its seed only, not on the batch.
-        gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-
-        def noise() -> torch.Tensor:
-            return torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
-
-        x = noise()  # [m, C, H, W] float32
+        # One generator per sample, all its noise drawn at once: the initial latent and one draw
+        # per step (also at ODE steps, so a sample's noise ignores the step set). A sample's
+        # noise depends on its seed only, not on the batch it is sampled in.
+        noise = torch.stack([
+            torch.randn((spec.num_steps + 1, *shape), generator=torch.Generator("cpu").manual_seed(int(s)))
+            for s in seeds
+        ]).to(device)  # [m, T+1, C, H, W]
+        x = noise[:, 0]  # [m, C, H, W] float32
         states, lps = [x.cpu()], []
         mask_dev = mask.to(device)
         for i in range(spec.num_steps):
             v = self.adapter.velocity(self.transformer, x, timesteps[i], cond, spec.guidance_scale)
-            eps = noise()  # drawn at every step so a sample's noise stream ignores the step set
+            eps = noise[:, i + 1]
             if spec.sde_type == "ode" or not bool(mask[:, i].any()):
                 x_next = self._ode_step(x, v, sigmas, timesteps, i, cond, spec)
                 lp = torch.zeros(x.shape[0], device=device)
@@ -145,10 +146,13 @@ class LocalRolloutEngine:
                     v, x, sigmas[i], sigmas[i + 1], sde_type=spec.sde_type, noise_level=spec.noise_level,
                     sigma_max=sigmas[1], noise=eps,
                 )
-                ode = x + v * (sigmas[i + 1] - sigmas[i])
-                m = mask_dev[:, i]
-                x_next = torch.where(m[:, None, None, None], out.x_next, ode)
-                lp = torch.where(m, out.log_prob, torch.zeros_like(out.log_prob))
+                if bool(mask[:, i].all()):
+                    x_next, lp = out.x_next, out.log_prob
+                else:  # per-sample step sets: ODE where this step is not stochastic
+                    ode = x + v * (sigmas[i + 1] - sigmas[i])
+                    m = mask_dev[:, i]
+                    x_next = torch.where(m[:, None, None, None], out.x_next, ode)
+                    lp = torch.where(m, out.log_prob, torch.zeros_like(out.log_prob))
             x = x_next
             states.append(x.cpu())
             lps.append(lp.cpu())
