@@ -28,7 +28,7 @@ class StepOutput:
     std: torch.Tensor  # [B] float32: noise std without the sqrt(-dt) factor (used by the KL term)
 
 
-def _per_sample(value: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+def per_sample(value: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """A scalar or [B] value as a float32 [B, 1, 1, 1] tensor on ``ref``'s device."""
     t = torch.as_tensor(value, dtype=torch.float32, device=ref.device)
     if t.ndim == 0:
@@ -36,7 +36,7 @@ def _per_sample(value: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *([1] * (ref.ndim - 1)))
 
 
-def _mean_over_sample(t: torch.Tensor) -> torch.Tensor:
+def mean_over_sample(t: torch.Tensor) -> torch.Tensor:
     return t.mean(dim=tuple(range(1, t.ndim)))
 
 
@@ -60,8 +60,8 @@ def step_with_logprob(
     """
     v = v.float()
     x = x.float()
-    s = _per_sample(sigma, x)
-    s_next = _per_sample(sigma_next, x)
+    s = per_sample(sigma, x)
+    s_next = per_sample(sigma_next, x)
     dt = s_next - s  # [B,1,1,1], negative
 
     if sde_type == "ode":
@@ -71,7 +71,7 @@ def step_with_logprob(
         return StepOutput(out, zeros, mean, zeros)
 
     if sde_type == "sde":
-        s_max = _per_sample(sigma_max if sigma_max is not None else sigma_next, x)
+        s_max = per_sample(sigma_max if sigma_max is not None else sigma_next, x)
         s_safe = torch.where(s == 1, s_max, s)
         std = torch.sqrt(s / (1 - s_safe)) * noise_level  # [B,1,1,1]
         # The reference's arrangement of mean = x + (v + std^2/(2 sigma) (x + (1 - sigma) v)) dt.
@@ -87,7 +87,7 @@ def step_with_logprob(
             - torch.log(step_std)
             - math.log(math.sqrt(2 * math.pi))
         )
-        return StepOutput(x_next, _mean_over_sample(log_prob), mean, std.flatten())
+        return StepOutput(x_next, mean_over_sample(log_prob), mean, std.flatten())
 
     if sde_type == "cps":
         std = s_next * math.sin(noise_level * math.pi / 2)
@@ -101,7 +101,7 @@ def step_with_logprob(
         x_next = x_next.float()
         # Constants dropped as in the reference: -(x_next - mean)^2, a per-element mean.
         log_prob = -((x_next.detach() - mean) ** 2)
-        return StepOutput(x_next, _mean_over_sample(log_prob), mean, std.flatten())
+        return StepOutput(x_next, mean_over_sample(log_prob), mean, std.flatten())
 
     raise ValueError(f"unknown sde_type {sde_type!r}; use one of {SDE_TYPES}")
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffusionrl.sampling import mean_over_sample, per_sample
+
 WEIGHT_FLOOR = 1e-5  # the reference's lower clip of the adaptive weights (avoids 1 / 0 at x0_hat == x0)
 
 
@@ -33,18 +35,6 @@ class NFTTerms:
     w_neg: torch.Tensor  # [N] detached adaptive weight of the negative branch
 
 
-def _per_sample(value: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """A scalar or ``[N]`` value as a float32 ``[N, 1, 1, 1]`` tensor on ``ref``'s device."""
-    t = torch.as_tensor(value, dtype=torch.float32, device=ref.device)
-    if t.ndim == 0:
-        t = t.expand(ref.shape[0])
-    return t.reshape(-1, *([1] * (ref.ndim - 1)))
-
-
-def _mean_over_sample(t: torch.Tensor) -> torch.Tensor:
-    return t.mean(dim=tuple(range(1, t.ndim)))
-
-
 def nft_optimality(advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:
     """``r = clamp(A, -c, c) / (2c) + 0.5`` in [0, 1]: 1 for the best samples, 0 for the worst."""
     a = advantages.float().clamp(-adv_clip, adv_clip)
@@ -53,14 +43,14 @@ def nft_optimality(advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:
 
 def noisy_latents(x0: torch.Tensor, eps: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
     """``x_t = (1 - t) * x0 + t * eps`` (``t`` scalar or per sample ``[N]``), float32."""
-    tt = _per_sample(t, x0)
+    tt = per_sample(t, x0)
     return (1 - tt) * x0.float() + tt * eps.float()
 
 
 def adaptive_weight(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
     """Detached per-sample ``mean |x0_hat - x0|`` (float64, floored at 1e-5) as float32 ``[N]``."""
     with torch.no_grad():
-        w = _mean_over_sample((x0_hat.detach().double() - x0.double()).abs())
+        w = mean_over_sample((x0_hat.detach().double() - x0.double()).abs())
         return w.clamp(min=WEIGHT_FLOOR).float()
 
 
@@ -94,7 +84,7 @@ def nft_terms(
     v_old = v_old.detach().float()
     x0 = x0.float()
     x_t = x_t.float()
-    tt = _per_sample(t, x0)
+    tt = per_sample(t, x0)
     r = nft_optimality(advantages.to(x0.device), adv_clip)
 
     v_pos = beta * v_theta + (1 - beta) * v_old
@@ -105,14 +95,14 @@ def nft_terms(
         w_pos, w_neg = adaptive_weight(x0_pos, x0), adaptive_weight(x0_neg, x0)
     else:
         w_pos, w_neg = (w.detach().float().reshape(-1) for w in weights)
-    positive = _mean_over_sample((x0_pos - x0) ** 2) / w_pos
-    negative = _mean_over_sample((x0_neg - x0) ** 2) / w_neg
+    positive = mean_over_sample((x0_pos - x0) ** 2) / w_pos
+    negative = mean_over_sample((x0_neg - x0) ** 2) / w_neg
     policy_loss = adv_clip * (r * positive + (1 - r) * negative) / beta
 
     if kl_beta > 0:
         if v_ref is None:
             raise ValueError("kl_beta > 0 needs v_ref (the LoRA-disabled reference velocity)")
-        kl = _mean_over_sample((v_theta - v_ref.detach().float()) ** 2)
+        kl = mean_over_sample((v_theta - v_ref.detach().float()) ** 2)
     else:
         kl = torch.zeros_like(policy_loss)
     return NFTTerms(policy_loss + kl_beta * kl, policy_loss, positive, negative, kl, r, w_pos, w_neg)
