@@ -117,3 +117,21 @@ def test_resume_with_another_objective_fails_closed(tmp_path):
     other = tiny_config("train.steps=2", "reward.weights={jpeg_incompressibility: 1.0}")
     with pytest.raises(CheckpointMismatch, match="reward"):
         RLLoop(other, tmp_path, progress=False).run(resume="auto")
+
+
+def test_ocr_recipe_runs_end_to_end_with_the_ray_actor_pool(tmp_path):
+    """tiny-cpu-ocr: OCR prompts, the OCR reward scored by 2 Ray CPU actors, 2 steps."""
+    from diffusionrl.rewards.pool import RewardActorPool
+
+    cfg = tiny_config("train.steps=2", "sampling.resolution=64", preset="tiny-cpu-ocr")
+    loop = RLLoop(cfg, tmp_path, progress=False)
+    try:
+        assert isinstance(loop.scorer, RewardActorPool) and len(loop.scorer.actors) == 2
+        assert all('"' in r["prompt"] for r in loop.prompts.train)
+        result = loop.run(resume=None)
+    finally:
+        loop.close()
+    assert result.steps_done == 2
+    for m in result.metrics:
+        assert {"rollout/reward/ocr_mean", "rollout/reward/ocr_failures", "perf/reward_time"} <= set(m)
+        assert 0.0 <= m["rollout/reward/ocr_mean"] <= 1.0

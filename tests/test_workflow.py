@@ -77,9 +77,12 @@ def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, mo
 
     from tasks.pipeline import fetch_checkpoint, prepare_prompts
 
+    import flytekit.core.local_cache as local_cache
+
+    # A private cache folder: the user's ~/.flyte/local-cache (e.g. from `make demo`) must not count.
     monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "true")
-    LocalTaskCache._cache = None
-    monkeypatch.setattr(LocalTaskCache, "_cache_dir", str(tmp_path / "cache"), raising=False)
+    monkeypatch.setattr(local_cache, "CACHE_LOCATION", str(tmp_path / "cache"))
+    monkeypatch.setattr(LocalTaskCache, "_initialized", False, raising=False)
     LocalTaskCache.initialize()
     from diffusionrl.config import get_preset
 
@@ -105,6 +108,7 @@ def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, mo
         fetch_checkpoint(reference=cfg.model.name, revision=cfg.model.revision)
     assert calls["n"] == 2  # the second round came from the cache
     LocalTaskCache.clear()
+    monkeypatch.setattr(LocalTaskCache, "_initialized", False, raising=False)
 
 
 def test_malformed_prompt_file_fails_with_file_and_line(grpo, tmp_path):
