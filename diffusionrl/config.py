@@ -458,26 +458,23 @@ def _tiny_cpu() -> dict[str, Any]:
     }
 
 
-def _sd35m_ocr() -> dict[str, Any]:
+def _sd35m_gpu() -> dict[str, Any]:
+    # What the SD3.5-medium recipes share on GPUs: the gated hub model in fp16 with an fp32 LoRA
+    # (r32, alpha 64), 512 px and 10 sampling steps, fp16 forward with a grad scaler, EMA 0.9 for
+    # evaluation (40 ODE steps), checkpoints every 20 steps, no latents in the trajectory Parquet.
     return {
         "model": {
             "name": "stabilityai/stable-diffusion-3.5-medium",
             "dtype": "float16",
             "device": "cuda",
-            "max_sequence_length": 256,
             "lora_rank": 32,
             "lora_alpha": 64,
             "gradient_checkpointing": True,
         },
-        "sampling": {"resolution": 512, "num_steps": 10, "guidance_scale": 4.5, "noise_level": 0.7},
-        "algorithm": {"clip_range": 1e-4, "kl_beta": 0.04, "adv_clip_max": 5.0, "global_std": True},
-        "reward": {"weights": {"ocr": 1.0}, "num_actors": 8},
+        "sampling": {"resolution": 512, "num_steps": 10},
         "train": {
             "steps": 1000,
-            "prompts_per_step": 48,
-            "group_size": 16,
             "micro_batch_size": 8,
-            "minibatches": 2,
             "learning_rate": 3e-4,
             "mixed_precision": "fp16",
             "ema": True,
@@ -486,9 +483,24 @@ def _sd35m_ocr() -> dict[str, Any]:
             "log_images_every": 20,
             "save_latents": False,
         },
-        "eval": {"num_steps": 40, "guidance_scale": 4.5, "num_prompts": 1024},
-        "data": {"source": "builtin:ocr", "num_prompts": 20000, "test_fraction": 0.05},
+        "eval": {"num_steps": 40, "num_prompts": 1024},
     }
+
+
+def _sd35m_ocr() -> dict[str, Any]:
+    # The Flow-GRPO reference recipe (ALGORITHMS.md section 9): OCR reward, 48 groups of 16.
+    return _overlay(
+        _sd35m_gpu(),
+        {
+            "model": {"max_sequence_length": 256},
+            "sampling": {"guidance_scale": 4.5, "noise_level": 0.7},
+            "algorithm": {"clip_range": 1e-4, "kl_beta": 0.04, "adv_clip_max": 5.0, "global_std": True},
+            "reward": {"weights": {"ocr": 1.0}, "num_actors": 8},
+            "train": {"prompts_per_step": 48, "group_size": 16, "minibatches": 2},
+            "eval": {"guidance_scale": 4.5},
+            "data": {"source": "builtin:ocr", "num_prompts": 20000, "test_fraction": 0.05},
+        },
+    )
 
 
 def _tiny_cpu_ocr() -> dict[str, Any]:
@@ -539,45 +551,27 @@ def _sd35m_pickscore_nft() -> dict[str, Any]:
     # DiffusionNFT's SD3.5-medium PickScore recipe (its config/nft.py sd3_pickscore, decay type 1)
     # on one GPU: 8 groups of 8 instead of 48 x 24 over 8 GPUs, one optimizer step per rollout.
     # The reference samples with a second-order DPM solver; ours are Euler ODE steps.
-    return {
-        "model": {
-            "name": "stabilityai/stable-diffusion-3.5-medium",
-            "dtype": "float16",
-            "device": "cuda",
-            "max_sequence_length": 128,
-            "lora_rank": 32,
-            "lora_alpha": 64,
-            "gradient_checkpointing": True,
+    return _overlay(
+        _sd35m_gpu(),
+        {
+            "model": {"max_sequence_length": 128},
+            "sampling": {"guidance_scale": 1.0},
+            "algorithm": {
+                "name": "nft",
+                "kl_beta": 0.0001,
+                "nft_beta": 1.0,
+                "nft_adv_clip": 5.0,
+                "adv_clip_max": 5.0,
+                "global_std": True,
+                "old_policy_rate": 0.001,
+                "old_policy_flat": 0,
+                "old_policy_cap": 0.5,
+            },
+            "reward": {"weights": {"pickscore": 1.0}},
+            "train": {"prompts_per_step": 8, "group_size": 8, "minibatches": 1},
+            "eval": {"guidance_scale": 1.0},
         },
-        "sampling": {"resolution": 512, "num_steps": 10, "guidance_scale": 1.0},
-        "algorithm": {
-            "name": "nft",
-            "kl_beta": 0.0001,
-            "nft_beta": 1.0,
-            "nft_adv_clip": 5.0,
-            "adv_clip_max": 5.0,
-            "global_std": True,
-            "old_policy_rate": 0.001,
-            "old_policy_flat": 0,
-            "old_policy_cap": 0.5,
-        },
-        "reward": {"weights": {"pickscore": 1.0}},
-        "train": {
-            "steps": 1000,
-            "prompts_per_step": 8,
-            "group_size": 8,
-            "micro_batch_size": 8,
-            "minibatches": 1,
-            "learning_rate": 3e-4,
-            "mixed_precision": "fp16",
-            "ema": True,
-            "ema_decay": 0.9,
-            "checkpoint_every": 20,
-            "log_images_every": 20,
-            "save_latents": False,
-        },
-        "eval": {"num_steps": 40, "guidance_scale": 1.0, "num_prompts": 1024},
-    }
+    )
 
 
 PRESETS: dict[str, Any] = {
