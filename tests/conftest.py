@@ -39,6 +39,30 @@ def tiny_config(*extra: str, preset: str = "tiny-cpu"):
     return load_config(preset, overrides=TINY_OVERRIDES + list(extra))
 
 
+def saved_lora(run_dir):
+    """The final LoRA tensors a run wrote (peft format)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "lora" / "adapter_model.safetensors"))
+
+
+def run_interrupted_and_uninterrupted(cfg, tmp_path):
+    """Train ``cfg`` once straight through (``tmp_path/full``) and once "crashed" after one step
+    and resumed from its checkpoint (``tmp_path/part``). Returns (full loop, resumed loop, result)."""
+    from diffusionrl.training.loop import RLLoop
+
+    full = RLLoop(cfg, tmp_path / "full", progress=False)
+    full.run(resume=None)
+    full.close()
+    part = RLLoop(cfg, tmp_path / "part", progress=False)
+    part.run(resume=None, stop_after=1)  # "crash" after one step
+    part.close()
+    resumed = RLLoop(cfg, tmp_path / "part", progress=False)
+    result = resumed.run(resume="auto")
+    resumed.close()
+    return full, resumed, result
+
+
 @pytest.fixture(scope="session")
 def tiny_adapter():
     """One tiny SD3 adapter for read-only uses (no LoRA attached)."""

@@ -13,7 +13,7 @@ from diffusionrl.training.loop import RLLoop
 from diffusionrl.training.nft import TimestepPlan
 from diffusionrl.training.trainer import UpdateStats
 
-from .conftest import tiny_config
+from .conftest import run_interrupted_and_uninterrupted, saved_lora, tiny_config
 
 NFT = "tiny-cpu-nft"
 
@@ -207,27 +207,12 @@ def test_old_policy_eta_rule():
 # -- checkpoints -------------------------------------------------------------------------------------
 
 
-def _lora(path):
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "lora" / "adapter_model.safetensors"))
-
-
 def test_resume_equals_uninterrupted(tmp_path):
     cfg = tiny_config("train.steps=3", "train.ema=true", "algorithm.old_policy_rate=0.2", preset=NFT)
-    full = RLLoop(cfg, tmp_path / "full", progress=False)
-    full.run(resume=None)
-    full.close()
-
-    part = RLLoop(cfg, tmp_path / "part", progress=False)
-    part.run(resume=None, stop_after=1)  # "crash" after one step
-    part.close()
-    resumed = RLLoop(cfg, tmp_path / "part", progress=False)
-    result = resumed.run(resume="auto")
-    resumed.close()
+    full, resumed, result = run_interrupted_and_uninterrupted(cfg, tmp_path)
 
     assert result.steps_done == 3
-    a, b = _lora(tmp_path / "full"), _lora(tmp_path / "part")
+    a, b = saved_lora(tmp_path / "full"), saved_lora(tmp_path / "part")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     old_a, old_b = full.objective.old.shadow, resumed.objective.old.shadow
     assert all(torch.equal(old_a[k], old_b[k]) for k in old_a)

@@ -10,7 +10,7 @@ from diffusionrl.training.checkpoint import CheckpointMismatch
 from diffusionrl.training.loop import RLLoop
 from diffusionrl.training.trainer import UpdateStats
 
-from .conftest import tiny_config
+from .conftest import run_interrupted_and_uninterrupted, saved_lora, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -83,27 +83,12 @@ def test_a_nan_loss_skips_the_update_and_is_counted(loop, scored):
     assert all(torch.equal(before[n], p) for n, p in loop.policy.lora_state().items())
 
 
-def _lora(path):
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "lora" / "adapter_model.safetensors"))
-
-
 def test_resume_equals_uninterrupted(tmp_path):
     cfg = tiny_config("train.steps=3", "train.checkpoint_every=1", "train.ema=true")
-    full = RLLoop(cfg, tmp_path / "full", progress=False)
-    full.run(resume=None)
-    full.close()
-
-    part = RLLoop(cfg, tmp_path / "part", progress=False)
-    part.run(resume=None, stop_after=1)  # "crash" after one step
-    part.close()
-    resumed = RLLoop(cfg, tmp_path / "part", progress=False)
-    result = resumed.run(resume="auto")
-    resumed.close()
+    full, resumed, result = run_interrupted_and_uninterrupted(cfg, tmp_path)
 
     assert result.steps_done == 3
-    a, b = _lora(tmp_path / "full"), _lora(tmp_path / "part")
+    a, b = saved_lora(tmp_path / "full"), saved_lora(tmp_path / "part")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ma = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     mb = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
