@@ -286,9 +286,14 @@ class PromptSampler:
         self.rows = rows
         self.per_step = per_step
         self.seed = seed
+        self._perm_epoch: int | None = None
+        self._perm_cache = np.empty(0, dtype=np.int64)
 
     def _perm(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        if self._perm_epoch != epoch:  # a step spans at most two epochs: keep the current one
+            self._perm_cache = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+            self._perm_epoch = epoch
+        return self._perm_cache
 
     def batch(self, step: int) -> tuple[list[dict], int]:
         """The rows of ``step`` and the data cursor after it."""

@@ -155,8 +155,9 @@ class SD3Adapter:
     ) -> Conditioning:
         """Embeddings for each prompt (each distinct prompt encoded once) and, if
         ``negative_prompt`` is not None, the negative prompt's, expanded to the batch."""
-        unique = list(dict.fromkeys(prompts))
-        index = torch.tensor([unique.index(p) for p in prompts], device=self.device)
+        position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+        unique = list(position)
+        index = torch.tensor([position[p] for p in prompts], device=self.device)
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=unique,
             prompt_2=None,
