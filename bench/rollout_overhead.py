@@ -11,7 +11,6 @@ Prints {"ours_s": ..., "stock_s": ..., "ratio": ...}.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
