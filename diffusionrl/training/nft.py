@@ -31,7 +31,7 @@ from diffusionrl.trajectory import Trajectory
 
 from .checkpoint import CheckpointMismatch
 from .policy import EMA, LoraPolicy
-from .trainer import Trainer, Unit, UpdateStats
+from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule
 
 # Distinct first words of the seed sequences, so each random stream of a step is its own.
 _TIMESTEP_STREAM = 0x4E4654  # "NFT"
@@ -201,16 +201,13 @@ class NFTObjective:
         (composition kept).
         """
         tc = self.cfg.train
-        chunks = traj.micro_batches()
-        per_mb = len(chunks) // tc.minibatches
         rng = np.random.default_rng([_ORDER_STREAM, tc.seed, step])
         stats = UpdateStats()
-        for epoch in range(tc.inner_epochs):
-            plan = self.plan(traj, step, epoch)
-            order = rng.permutation(len(chunks))
-            for k in range(tc.minibatches):
-                selected = [chunks[i] for i in order[k * per_mb : (k + 1) * per_mb]]
-                trainer.apply(self.units(traj, selected, active, plan), stats)
+        plan = None
+        for epoch, selected in minibatch_schedule(traj, tc, rng):
+            if plan is None or plan.epoch != epoch:
+                plan = self.plan(traj, step, epoch)
+            trainer.apply(self.units(traj, selected, active, plan), stats)
         eta = self.update_old_policy(step + 1)
         metrics = stats.means()
         metrics["train/lr"] = trainer.lr()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -126,6 +126,20 @@ class Trainer:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
+def minibatch_schedule(traj: Trajectory, train_cfg, rng: np.random.Generator) -> Iterator[tuple[int, list[slice]]]:
+    """``(inner epoch, micro-batches of one optimizer step)`` for ``inner_epochs x minibatches``.
+
+    The micro-batch order is shuffled by ``rng`` at the start of each epoch; each micro-batch
+    keeps the rollout's composition.
+    """
+    chunks = traj.micro_batches()
+    per_mb = len(chunks) // train_cfg.minibatches
+    for epoch in range(train_cfg.inner_epochs):
+        order = rng.permutation(len(chunks))
+        for k in range(train_cfg.minibatches):
+            yield epoch, [chunks[i] for i in order[k * per_mb : (k + 1) * per_mb]]
+
+
 class FlowGRPOObjective:
     """Flow-GRPO on recorded SDE trajectories: one unit per (micro-batch, trained step)."""
 
@@ -203,18 +217,12 @@ class FlowGRPOObjective:
         before the first optimizer step, when the policy still equals the rollout policy.
         """
         tc = self.cfg.train
-        chunks = traj.micro_batches()
-        per_mb = len(chunks) // tc.minibatches
         rng = np.random.default_rng([tc.seed, step, 0x5EED])
         stats = UpdateStats()
         probe = {"open": True}
-        for _epoch in range(tc.inner_epochs):
-            order = rng.permutation(len(chunks))
-            for k in range(tc.minibatches):
-                selected = [chunks[i] for i in order[k * per_mb : (k + 1) * per_mb]]
-                units = self.units(traj, selected, active, rng, probe)
-                trainer.apply(units, stats)
-                probe["open"] = False
+        for _epoch, selected in minibatch_schedule(traj, tc, rng):
+            trainer.apply(self.units(traj, selected, active, rng, probe), stats)
+            probe["open"] = False
         metrics = stats.means()
         if probe.get("count"):
             metrics["train/log_prob_mean_abs_diff"] = probe["sum"] / probe["count"]
