@@ -25,7 +25,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-# The main job on the embedded default (tiny-cpu): the Flyte workflow, executed locally.
+# The main job on the embedded default (tiny-cpu): the Flyte workflow, executed locally. The
+# MLflow store (runs/mlflow) is kept across demos: each demo registers a new version that must
+# beat the current @champion to replace it.
 demo: setup
 	rm -rf runs/demo
 	HF_HUB_OFFLINE=1 $(BIN)/pyflyte run workflows/grpo.py grpo --checkpoint_dir $(CURDIR)/runs/demo
@@ -34,6 +36,9 @@ demo: setup
 	@echo "LoRA:         runs/demo/lora (EMA: runs/demo/lora_ema when train.ema is on)"
 	@echo "trajectories: runs/demo/trajectories/step-*.parquet"
 	@echo "metrics:      runs/demo/metrics.jsonl, checkpoints: runs/demo/checkpoints"
+	@echo "MLflow:       runs/mlflow (open: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/runs/mlflow/mlflow.db)"
+	@echo "registry:     $(BIN)/python -m diffusionrl.registry show"
+	@$(BIN)/python -m diffusionrl.registry show
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 test: setup

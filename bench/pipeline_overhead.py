@@ -3,7 +3,8 @@ library (training loop + evaluation, the same computational work), in one proces
 
 Prints {"workflow_s": ..., "library_s": ..., "overhead_ratio": ...} where overhead_ratio =
 workflow_s / library_s - 1 (Flyte local execution, local Ray start, Parquet trajectories, the
-checkpoint fetch/serialisation and the HTML report).
+checkpoint fetch/serialisation, MLflow tracking + registration into a temporary SQLite store, and
+the HTML report).
 
     python bench/pipeline_overhead.py [--steps N] [--set key=value ...]
 """
@@ -42,6 +43,8 @@ def main() -> None:
         evaluate_lora(cfg, prompts.test, result.lora_dir)
         library_s = time.perf_counter() - t0
 
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
+        os.environ["DIFFUSIONRL_CACHE"] = f"{tmp}/cache"
         t0 = time.perf_counter()
         grpo(overrides=overrides, checkpoint_dir=f"{tmp}/wf")
         workflow_s = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """One typed configuration tree for a run.
 
 Every default lives here, once. Sections: ``model``, ``sampling``, ``algorithm``, ``reward``,
-``train``, ``eval`` and ``data``. Each field carries its help text in ``metadata["help"]``.
+``train``, ``eval``, ``data`` and ``tracking``. Each field carries its help text in ``metadata["help"]``.
 Presets are named configurations (``tiny-cpu``, ``sd35m-ocr``, ...); a YAML/JSON file and dotted
 ``key=value`` overrides are applied on top of a preset. Unknown keys and inconsistent settings are
 rejected with a message that says what to change.
@@ -248,6 +248,21 @@ class DataConfig:
 
 
 @dataclass
+class TrackingConfig:
+    uri: str = _f("", "MLflow tracking URI; empty: $MLFLOW_TRACKING_URI, else a SQLite store in ./runs/mlflow")
+    experiment: str = _f("diffusionrl", "MLflow experiment of the workflow runs")
+    registered_model: str = _f("tiny-sd3-jpeg", "Registry name; versions of one name compete for @champion")
+    log_retries: int = _f(5, "Attempts per MLflow logging call (exponential backoff) before buffering for later")
+    max_artifact_mb: float = _f(200.0, "Trajectory folders up to this size are copied to MLflow; larger ones are linked")
+
+    def __post_init__(self) -> None:
+        _positive("tracking", "log_retries", self.log_retries)
+        _positive("tracking", "max_artifact_mb", self.max_artifact_mb, allow_zero=True)
+        if not self.registered_model.strip():
+            raise ConfigError("tracking.registered_model is empty: name the registry entry, e.g. 'tiny-sd3-jpeg'")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -256,6 +271,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     preset: str = _f("tiny-cpu", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
@@ -311,6 +327,7 @@ def _section_classes() -> dict[str, type]:
         "train": TrainConfig,
         "eval": EvalConfig,
         "data": DataConfig,
+        "tracking": TrackingConfig,
     }
 
 
@@ -499,6 +516,7 @@ def _sd35m_ocr() -> dict[str, Any]:
             "train": {"prompts_per_step": 48, "group_size": 16, "minibatches": 2},
             "eval": {"guidance_scale": 4.5},
             "data": {"source": "builtin:ocr", "num_prompts": 20000, "test_fraction": 0.05},
+            "tracking": {"registered_model": "sd35m-ocr"},
         },
     )
 
@@ -511,6 +529,7 @@ def _tiny_cpu_ocr() -> dict[str, Any]:
         {
             "reward": {"weights": {"ocr": 1.0}, "num_actors": 2},
             "data": {"source": "builtin:ocr", "num_prompts": 256},
+            "tracking": {"registered_model": "tiny-sd3-ocr"},
             "sampling": {"resolution": 128},
             "train": {"prompts_per_step": 4},
         },
@@ -568,6 +587,7 @@ def _sd35m_pickscore_nft() -> dict[str, Any]:
                 "old_policy_cap": 0.5,
             },
             "reward": {"weights": {"pickscore": 1.0}},
+            "tracking": {"registered_model": "sd35m-pickscore"},
             "train": {"prompts_per_step": 8, "group_size": 8, "minibatches": 1},
             "eval": {"guidance_scale": 1.0},
         },

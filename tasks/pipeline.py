@@ -11,6 +11,9 @@ import json
 import logging
 import os
 import tempfile
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +26,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from diffusionrl.config import Config, DataConfig, RewardConfig, apply_overrides
 from diffusionrl.data import PromptSet, load_prompts
+from diffusionrl.tracking import TrackingRun
 from images import CPU_IMAGE, GPU_IMAGE
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,57 @@ FAULT_ENV = "DIFFUSIONRL_FAULT_AFTER_STEPS"
 def resolve_config(config: Config, overrides: list[str]) -> Config:
     """Apply dotted ``key=value`` overrides and re-validate the whole tree."""
     return Config.from_dict(apply_overrides(config.to_dict(), overrides))
+
+
+# -- tracking -------------------------------------------------------------------------------------------
+
+
+def _execution() -> dict[str, str]:
+    """Flyte's ids for this execution; a local execution gets a unique ``local-<time>-<hex>`` id."""
+    eid = _execution_id()
+    if eid.startswith("local"):
+        eid = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    out = {"flyte_execution_id": eid, "workflow_version": os.environ.get("FLYTE_INTERNAL_TASK_VERSION", "local")}
+    try:
+        eid = current_context().execution_id
+        out.update({"flyte_project": eid.project, "flyte_domain": eid.domain})
+    except Exception:  # noqa: BLE001 - outside an execution
+        pass
+    workflow = os.environ.get("FLYTE_INTERNAL_EXECUTION_WORKFLOW")
+    if workflow:
+        out["flyte_workflow"] = workflow
+    return out
+
+
+@task(container_image=CPU_IMAGE)
+def start_run(config: Config) -> TrackingRun:
+    """Preflight the MLflow store (fails fast, naming the URI) and open this execution's run."""
+    from diffusionrl.tracking import start_workflow_run
+
+    return start_workflow_run(config, _execution())
+
+
+class DatasetDigests(NamedTuple):
+    train: str
+    test: str
+
+
+@task(container_image=CPU_IMAGE)
+def track_inputs(run: TrackingRun, config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame,
+                 prompts_digest: str, model_digest: str) -> DatasetDigests:
+    """The ``prepare`` stage run: prompt splits as MLflow datasets (Parquet + digest) and the data
+    and weight digests as lineage tags."""
+    from diffusionrl import tracking
+
+    stage = tracking.stage_run(run, "prepare")
+    digests = tracking.log_prompt_datasets(run, stage, {"train": train_prompts, "test": test_prompts}, config.data.source)
+    tracking.set_tags(run, {"dataset_digest": prompts_digest, "base_model_digest": model_digest,
+                            "dataset_source": config.data.source}, also=[stage])
+    client = tracking.client(run.uri)
+    for split, df in (("train", train_prompts), ("test", test_prompts)):
+        client.log_metric(stage, f"data/{split}_prompts", float(len(df)))
+    tracking.finish(run, stage)
+    return DatasetDigests(digests["train"], digests["test"])
 
 
 # -- prepare_prompts -----------------------------------------------------------------------------------
@@ -151,9 +206,10 @@ RAY_CONFIG = RayJobConfig(
 
 @task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, interruptible=True, retries=3, enable_deck=False)
 def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame, prompts_digest: str,
-          model_dir: FlyteDirectory, checkpoint_dir: str) -> TrainOutputs:
+          model_dir: FlyteDirectory, checkpoint_dir: str, run: TrackingRun) -> TrainOutputs:
     """The RL loop as a Ray job. Resumes, in order, from this execution's Flyte checkpoint (a
     retried attempt), from ``checkpoint_dir`` (a local folder kept across runs), or starts fresh."""
+    from diffusionrl import tracking
     from diffusionrl.training.checkpoint import latest_checkpoint
     from diffusionrl.training.loop import train as run_training
 
@@ -171,11 +227,16 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     if resume is not None:
         log.info("resuming from %s", resume)
     fault = os.environ.get(FAULT_ENV)
-    hooks = _FlyteHooks(run_dir / "trajectories", _execution_id(), latents=config.train.save_latents,
+    hooks = _FlyteHooks(run_dir / "trajectories", run.execution_id, latents=config.train.save_latents,
                         flyte_checkpoint=cp, fault_after=int(fault) if fault else None)
     prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
+    tracking.configure_http()
+    stage = tracking.stage_run(run, "train")
+    tracking.client(run.uri).set_tag(stage, "run_dir", str(run_dir))
+    metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
+                                       attempts=config.tracking.log_retries)
     try:
-        result = run_training(config, run_dir, resume=resume, callbacks=[hooks], prompts=prompts,
+        result = run_training(config, run_dir, resume=resume, callbacks=[hooks, metrics_cb], prompts=prompts,
                               model_path=model_dir.download())
     except (ConnectionError, TimeoutError) as exc:  # engine/server faults: worth a retry
         raise FlyteRecoverableException(f"transient failure in training: {exc}") from exc
@@ -183,6 +244,7 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
         if "out of memory" in str(exc).lower():
             raise FlyteRecoverableException(f"out of memory: {exc}") from exc
         raise
+    _finish_quietly(run, stage)
     lora = result.extra_lora_dirs.get("ema", result.lora_dir) if config.eval.use_ema else result.lora_dir
     metrics = pd.DataFrame(result.metrics)
     return TrainOutputs(FlyteDirectory(str(lora)), FlyteDirectory(str(run_dir / "trajectories")), metrics, str(run_dir))
@@ -196,6 +258,16 @@ def _execution_id() -> str:
         return "local"
 
 
+def _finish_quietly(run: TrackingRun, stage: str) -> None:
+    """Close a stage run; a tracking outage at this point must not fail a finished stage."""
+    from diffusionrl import tracking
+
+    try:
+        tracking.with_retries(lambda: tracking.finish(run, stage), 3, "closing the MLflow stage run")
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not close MLflow run %s: %s", stage, exc)
+
+
 # -- evaluate -----------------------------------------------------------------------------------------------
 
 
@@ -206,17 +278,76 @@ class EvalOutputs(NamedTuple):
 
 
 @task(container_image=GPU_IMAGE, requests=Resources(cpu="4", mem="32Gi", gpu="1"))
-def evaluate(config: Config, test_prompts: pd.DataFrame, model_dir: FlyteDirectory, lora: FlyteDirectory) -> EvalOutputs:
+def evaluate(config: Config, test_prompts: pd.DataFrame, model_dir: FlyteDirectory, lora: FlyteDirectory,
+             run: TrackingRun) -> EvalOutputs:
     """ODE sampling on held-out prompts with the base model and with the LoRA, same seeds."""
     from PIL import Image
 
+    from diffusionrl import tracking
     from diffusionrl.evaluation import evaluate_lora
 
     result = evaluate_lora(config, rows_from_frame(test_prompts), lora.download(), model_path=model_dir.download())
     grid_path = Path(current_context().working_directory) / "eval_grid.png"
     Image.fromarray(result.grid).save(grid_path)
     log.info("evaluation: %s", result.summary)
+    stage = tracking.stage_run(run, "evaluate")
+    client = tracking.client(run.uri)
+    for key, value in result.summary.items():
+        client.log_metric(stage, key, value)
+        client.log_metric(run.run_id, key, value)
+    client.log_table(stage, result.table, "eval/table.json")
+    client.log_image(stage, result.grid, artifact_file="eval/grid_base_top_tuned_bottom.png")
+    tracking.finish(run, stage)
     return EvalOutputs(result.table, result.summary, FlyteFile(str(grid_path)))
+
+
+# -- register -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RegisteredVersion:
+    name: str
+    version: str
+    aliases: list[str]
+    promoted: bool
+    decision: str
+    score: float
+    champion_version: str
+    model_uri: str
+    version_url: str
+    run_url: str
+
+
+@task(container_image=GPU_IMAGE, requests=Resources(cpu="4", mem="32Gi", gpu="1"))
+def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: FlyteDirectory, model_digest: str,
+             test_prompts: pd.DataFrame, test_digest: str, prompts_digest: str,
+             eval_summary: dict[str, float]) -> RegisteredVersion:
+    """Log the LoRA as an ``mlflow.diffusers`` model, register a version (alias ``candidate``) and
+    move ``champion`` only if it beats the current one on the same evaluation."""
+    from diffusionrl import registry, tracking
+    from diffusionrl.evaluation import evaluate_lora
+    from diffusionrl.models.fetch import base_model_reference
+
+    model_path = model_dir.download()
+    parent = tracking.client(run.uri).get_run(run.run_id).data.tags
+    lineage = {k: parent.get(k, "") for k in tracking.LINEAGE_KEYS}
+    lineage.update({"dataset_digest": prompts_digest, "test_dataset_digest": test_digest,
+                    "base_model_digest": model_digest, "algorithm": config.algorithm.name, "preset": config.preset})
+    rows = rows_from_frame(test_prompts)
+    info = registry.log_lora_model(
+        run, config, lora.download(), base_model_reference(config.model.name, model_path, model_digest),
+        example_prompt=rows[0]["prompt"], metadata=lineage,
+    )
+
+    def rescore(peft_dir: Path) -> float:
+        return evaluate_lora(config, rows, peft_dir, model_path=model_path).summary["eval/reward_mean"]
+
+    key = registry.eval_key(config, test_digest, model_digest)
+    reg = registry.register(run, config, info, eval_summary["eval/reward_mean"], key, lineage, rescore=rescore)
+    tracking.set_tags(run, {"registered_model": reg.name, "registered_version": reg.version,
+                            "registry_decision": reg.decision})
+    return RegisteredVersion(reg.name, reg.version, reg.aliases, reg.promoted, reg.decision, reg.score,
+                             reg.champion_version, reg.model_uri, reg.version_url, reg.run_url)
 
 
 # -- report -------------------------------------------------------------------------------------------------
@@ -225,16 +356,24 @@ def evaluate(config: Config, test_prompts: pd.DataFrame, model_dir: FlyteDirecto
 @task(container_image=CPU_IMAGE, enable_deck=True)
 def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval_summary: dict[str, float],
            grid: FlyteFile, lora: FlyteDirectory, trajectories: FlyteDirectory, run_dir: str,
-           prompts_digest: str, model_digest: str) -> FlyteFile:
-    """HTML report (also shown as the task's Flyte Deck)."""
+           prompts_digest: str, model_digest: str, run: TrackingRun, registered: RegisteredVersion) -> FlyteFile:
+    """HTML report (also shown as the task's Flyte Deck and logged to the MLflow run, which it closes)."""
     import numpy as np
     from PIL import Image
 
+    from diffusionrl import tracking
     from diffusionrl.report import build_report
 
+    traj_path = trajectories.remote_source or trajectories.path
+    traj_where = tracking.log_folder_or_link(run, run.run_id, trajectories.download(), "trajectories", traj_path,
+                                             config.tracking.max_artifact_mb)
     artifacts = {
+        "registered model": f"{registered.name} v{registered.version} ({', '.join(registered.aliases)}): "
+                            f"{registered.decision} -> {registered.version_url}",
+        "MLflow run": registered.run_url,
         "LoRA (peft adapter)": lora.remote_source or lora.path,
-        "trajectories (Parquet, one file per step)": trajectories.remote_source or trajectories.path,
+        "trajectories (Parquet, one file per step)": traj_path,
+        "trajectories in MLflow": traj_where,
         "run folder (checkpoints, metrics.jsonl)": run_dir,
         "prompt data digest": prompts_digest,
         "base model": f"{config.model.name} (digest {model_digest[:16]})",
@@ -246,4 +385,12 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
     out.write_text(page)
     if Path(run_dir).is_dir():  # local runs: keep a copy next to the LoRA and trajectories
         (Path(run_dir) / "report.html").write_text(page)
+    client = tracking.client(run.uri)
+    client.log_artifact(run.run_id, str(out))
+    if len(metrics):
+        last = metrics.iloc[-1]
+        for key in ("rollout/reward/raw_mean", "train/loss", "perf/step_time"):
+            if key in last and pd.notna(last[key]):
+                client.log_metric(run.run_id, f"final/{key}", float(last[key]))
+    tracking.finish(run)
     return FlyteFile(str(out))

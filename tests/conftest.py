@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # No hub access in tests: everything is built in code or shipped in a wheel.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -10,6 +11,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("FLYTE_LOCAL_CACHE_ENABLED", "false")
+# MLflow: a private SQLite store per test session (tests that need a server start one).
+_TMP = tempfile.mkdtemp(prefix="diffusionrl-tests-")
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_TMP}/mlflow.db"
+os.environ["DIFFUSIONRL_CACHE"] = f"{_TMP}/cache"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,4 +1,4 @@
-"""The GRPO pipeline: prompts + checkpoint -> Ray training -> evaluation -> report.
+"""The GRPO pipeline: prompts + checkpoint -> Ray training -> evaluation -> MLflow registry -> report.
 
     pyflyte run workflows/grpo.py grpo                                   # embedded tiny-cpu defaults
     pyflyte run workflows/grpo.py grpo --config configs/tiny-cpu.yaml --overrides '["train.steps=5"]'
@@ -8,6 +8,11 @@
 defaults); ``overrides`` are dotted ``key=value`` strings applied on top and re-validated;
 ``checkpoint_dir`` (local runs) is a folder that keeps resumable checkpoints across runs: re-run
 with the same value to resume an interrupted training.
+
+Tracking: every execution is one MLflow run with nested prepare/train/evaluate runs, in
+``tracking.uri`` / ``$MLFLOW_TRACKING_URI`` or else the SQLite store ``./runs/mlflow``; an
+unreachable store fails the first task. The LoRA is registered as ``tracking.registered_model``
+(alias ``candidate``; ``champion`` only when it beats the current champion).
 """
 
 from __future__ import annotations
@@ -25,7 +30,18 @@ from flytekit.types.file import FlyteFile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks`, `images` next to `workflows`
 
 from diffusionrl.config import Config, get_preset  # noqa: E402
-from tasks.pipeline import evaluate, fetch_checkpoint, prepare_prompts, report, resolve_config, train  # noqa: E402
+from tasks.pipeline import (  # noqa: E402
+    RegisteredVersion,
+    evaluate,
+    fetch_checkpoint,
+    prepare_prompts,
+    register,
+    report,
+    resolve_config,
+    start_run,
+    track_inputs,
+    train,
+)
 
 DEFAULT_CONFIG = get_preset("tiny-cpu")
 
@@ -37,20 +53,30 @@ class GRPOOutputs(NamedTuple):
     metrics: pd.DataFrame
     eval_table: pd.DataFrame
     eval_summary: dict[str, float]
+    registered: RegisteredVersion
 
 
 @workflow
 def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "") -> GRPOOutputs:  # noqa: B006
     cfg = resolve_config(config=config, overrides=overrides)
+    run = start_run(config=cfg)  # MLflow preflight: fails before any data or weights are fetched
     prompts = prepare_prompts(data=cfg.data, reward=cfg.reward)
     model = fetch_checkpoint(reference=cfg.model.name, revision=cfg.model.revision)
+    run >> prompts.digest  # (one output stands for its node)
+    run >> model.digest
+    digests = track_inputs(run=run, config=cfg, train_prompts=prompts.train, test_prompts=prompts.test,
+                           prompts_digest=prompts.digest, model_digest=model.digest)
     trained = train(config=cfg, train_prompts=prompts.train, test_prompts=prompts.test, prompts_digest=prompts.digest,
-                    model_dir=model.model_dir, checkpoint_dir=checkpoint_dir)
-    ev = evaluate(config=cfg, test_prompts=prompts.test, model_dir=model.model_dir, lora=trained.lora)
+                    model_dir=model.model_dir, checkpoint_dir=checkpoint_dir, run=run)
+    digests.test >> trained.run_dir
+    ev = evaluate(config=cfg, test_prompts=prompts.test, model_dir=model.model_dir, lora=trained.lora, run=run)
+    reg = register(config=cfg, run=run, lora=trained.lora, model_dir=model.model_dir, model_digest=model.digest,
+                   test_prompts=prompts.test, test_digest=digests.test, prompts_digest=prompts.digest,
+                   eval_summary=ev.summary)
     page = report(config=cfg, metrics=trained.metrics, eval_table=ev.table, eval_summary=ev.summary, grid=ev.grid,
                   lora=trained.lora, trajectories=trained.trajectories, run_dir=trained.run_dir,
-                  prompts_digest=prompts.digest, model_digest=model.digest)
-    return GRPOOutputs(page, trained.lora, trained.trajectories, trained.metrics, ev.table, ev.summary)
+                  prompts_digest=prompts.digest, model_digest=model.digest, run=run, registered=reg)
+    return GRPOOutputs(page, trained.lora, trained.trajectories, trained.metrics, ev.table, ev.summary, reg)
 
 
 # The default launch plan, and a nightly re-training on the latest prompts (not auto-activated:

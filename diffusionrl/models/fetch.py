@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from .sd3 import hf_token
@@ -56,3 +59,28 @@ def fetch_model(reference: str, revision: str, dest: str | Path) -> Path:
         snapshot_download(reference, revision=revision or None, token=hf_token(), local_dir=str(dest),
                           allow_patterns=ALLOW_PATTERNS)
     )
+
+
+def cache_root() -> Path:
+    """Where built-in models are kept for later readers (``$DIFFUSIONRL_CACHE``, else ~/.cache/diffusionrl)."""
+    return Path(os.environ.get("DIFFUSIONRL_CACHE", "~/.cache/diffusionrl")).expanduser()
+
+
+def base_model_reference(reference: str, fetched: str | Path, digest: str) -> str:
+    """The base-model reference a registered LoRA records (``mlflow.diffusers``' ``base_model``):
+    the hub id, an absolute local folder, or for a built-in model a persistent copy of the fetched
+    folder under the cache (``<cache>/models/tiny-sd3-<digest>``), so it loads offline later."""
+    if reference.startswith("builtin:"):
+        dest = cache_root() / "models" / f"{reference.removeprefix('builtin:')}-{digest[:16]}"
+        if not (dest / "model_index.json").is_file():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=dest.parent))
+            shutil.copytree(fetched, tmp / "model")
+            try:
+                (tmp / "model").rename(dest)
+            except OSError:  # written concurrently by another run: theirs is the same folder
+                shutil.rmtree(tmp / "model", ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(dest)
+    path = Path(reference).expanduser()
+    return str(path.resolve()) if path.exists() else reference

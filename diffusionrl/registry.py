@@ -1,0 +1,286 @@
+"""The MLflow model registry: log a LoRA as an ``mlflow.diffusers`` model, register a version,
+decide ``@champion``, and show the registry.
+
+A version is registered for every successful run and gets the alias ``candidate``. It becomes
+``champion`` only when its evaluation score beats the current champion's by more than
+``eval.champion_margin`` on the *same* evaluation (held-out prompts, seeds, steps, guidance,
+reward and base weights, hashed into the ``eval_key`` tag). When the champion was evaluated
+differently, its adapter is re-evaluated on this run's evaluation first; a champion on other base
+weights cannot be compared and is kept. The decision and both scores are recorded as version tags.
+
+    python -m diffusionrl.registry show [--name NAME] [--tracking-uri URI]
+
+prints one JSON object: ``name``, ``champion`` and ``versions`` (each with ``version``,
+``aliases``, ``eval_score``, ``run_id`` and the lineage tags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from diffusionrl.tracking import LINEAGE_KEYS, TrackingRun, client, resolve_uri, run_url
+
+log = logging.getLogger(__name__)
+
+CANDIDATE = "candidate"
+CHAMPION = "champion"
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # what diffusers' load_lora_weights() reads
+PEFT_SUBDIR = "peft"  # our own format, for re-evaluation and warm starts
+
+
+@dataclass
+class Registration:
+    name: str
+    version: str
+    aliases: list[str]
+    promoted: bool
+    decision: str
+    score: float
+    champion_version: str  # after the decision
+    previous_champion: str = ""
+    previous_champion_score: float = float("nan")
+    model_uri: str = ""
+    run_url: str = ""
+    version_url: str = ""
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- the model --------------------------------------------------------------------------------------
+
+
+def eval_key(cfg, test_digest: str, base_model_digest: str) -> str:
+    """What makes two evaluation scores comparable (16 hex chars)."""
+    what = {
+        "test_prompts": test_digest,
+        "eval": {k: v for k, v in vars(cfg.eval).items() if k != "champion_margin"},
+        "resolution": cfg.sampling.resolution,
+        "negative_prompt": cfg.sampling.negative_prompt,
+        "ode_solver": cfg.sampling.ode_solver,
+        "reward": dict(sorted(cfg.reward.weights.items())),
+        "base_model_digest": base_model_digest,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def diffusers_adapter_dir(peft_dir: str | Path, out: str | Path) -> Path:
+    """A LoRA folder both diffusers (``pytorch_lora_weights.safetensors`` with its adapter metadata,
+    so rank and alpha survive) and we (``peft/``) can load."""
+    from diffusers import StableDiffusion3Pipeline
+    from safetensors.torch import load_file
+
+    peft_dir, out = Path(peft_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_file(str(peft_dir / "adapter_model.safetensors"))
+    state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    metadata = {k: config[k] for k in ("r", "lora_alpha", "target_modules", "init_lora_weights", "lora_dropout",
+                                        "bias", "use_dora", "use_rslora", "rank_pattern", "alpha_pattern")
+                if k in config}
+    StableDiffusion3Pipeline.save_lora_weights(str(out), transformer_lora_layers=state, weight_name=ADAPTER_FILE,
+                                               transformer_lora_adapter_metadata=metadata)
+    shutil.copytree(peft_dir, out / PEFT_SUBDIR, dirs_exist_ok=True)
+    return out
+
+
+def model_signature(cfg):
+    """prompt -> PNG bytes; generation params default to this run's evaluation settings."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import DataType, ParamSchema, ParamSpec, Schema
+    from mlflow.types.schema import ColSpec
+
+    res = cfg.sampling.resolution
+    return ModelSignature(
+        inputs=Schema([ColSpec(type=DataType.string, name="prompt")]),
+        outputs=Schema([ColSpec(type=DataType.binary, name="image")]),
+        params=ParamSchema([
+            ParamSpec(name="num_inference_steps", dtype=DataType.integer, default=cfg.eval.num_steps),
+            ParamSpec(name="guidance_scale", dtype=DataType.double, default=float(cfg.eval.guidance_scale)),
+            ParamSpec(name="height", dtype=DataType.integer, default=res),
+            ParamSpec(name="width", dtype=DataType.integer, default=res),
+            ParamSpec(name="negative_prompt", dtype=DataType.string, default=cfg.sampling.negative_prompt),
+        ]),
+    )
+
+
+def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, example_prompt: str,
+                   metadata: dict[str, str]):
+    """The LoRA as an ``mlflow.diffusers`` model of the workflow run -> ModelInfo.
+
+    MLflow checks the input example by loading the model through pyfunc and generating from it
+    (a failure there is logged as a warning): the registered model is known to serve."""
+    import mlflow
+    import mlflow.diffusers
+    import pandas as pd
+
+    mlflow.set_tracking_uri(run.uri)
+    mlflow.set_registry_uri(run.uri)
+    mlflow.set_experiment(experiment_id=run.experiment_id)  # the logged model lives beside its run
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = diffusers_adapter_dir(peft_dir, Path(tmp) / "adapter")
+        return mlflow.diffusers.log_model(
+            adapter_path=str(adapter),
+            base_model=base_ref,
+            name="lora",
+            run_id=run.run_id,
+            signature=model_signature(cfg),
+            input_example=pd.DataFrame({"prompt": [example_prompt]}),
+            metadata=metadata,
+        )
+
+
+# -- registration and the champion decision ---------------------------------------------------------------
+
+
+def current_champion(c, name: str):
+    try:
+        return c.get_model_version_by_alias(name, CHAMPION)
+    except Exception:  # noqa: BLE001 - no such model or alias yet
+        return None
+
+
+def decide(score: float, champion_score: float | None, margin: float) -> tuple[bool, str]:
+    if champion_score is None:
+        return True, "promoted: first comparable version (no champion yet)"
+    if score > champion_score + margin:
+        return True, f"promoted: eval score {score:.6g} > champion {champion_score:.6g} + margin {margin:g}"
+    return False, f"kept champion: eval score {score:.6g} <= champion {champion_score:.6g} + margin {margin:g}"
+
+
+def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage: dict[str, str],
+             rescore: Callable[[Path], float] | None = None) -> Registration:
+    """Register ``model_info`` as a version (alias candidate) and move ``champion`` only if better.
+
+    ``rescore(peft_dir) -> score`` re-evaluates another adapter on this run's evaluation; it is
+    used when the champion's ``eval_key`` differs from ``key`` (same base weights only).
+    """
+    import mlflow
+    from mlflow.artifacts import download_artifacts
+
+    name = cfg.tracking.registered_model
+    margin = cfg.eval.champion_margin
+    c = client(run.uri)
+    mlflow.set_registry_uri(run.uri)
+    champion = current_champion(c, name)
+    base_tags = {**lineage, "eval_score": repr(score), "eval_key": key, "run_id": run.run_id}
+    mv = mlflow.register_model(model_info.model_uri, name, tags=base_tags)
+    c.set_registered_model_alias(name, CANDIDATE, mv.version)
+
+    champion_score, note = None, ""
+    if champion is not None:
+        ctags = champion.tags
+        if ctags.get("eval_key") == key:
+            champion_score = float(ctags["eval_score"])
+        elif ctags.get("base_model_digest") == lineage.get("base_model_digest") and rescore is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                local = Path(download_artifacts(f"models:/{name}/{champion.version}", dst_path=tmp))
+                champion_score = float(rescore(local / "adapter_weights" / PEFT_SUBDIR))
+            note = f" (champion v{champion.version} re-evaluated on this run's evaluation)"
+        else:
+            note = (f"not comparable: champion v{champion.version} was trained on other base weights "
+                    f"({ctags.get('base_model_digest', '?')[:16]})")
+    if champion is not None and champion_score is None:
+        promoted, decision = False, f"kept champion: {note}"
+    else:
+        promoted, decision = decide(score, champion_score, margin)
+        decision += note
+    tags = {
+        "decision": decision,
+        "promoted": str(promoted).lower(),
+        "champion_before": champion.version if champion is not None else "",
+        "champion_score_compared": repr(champion_score) if champion_score is not None else "",
+        "champion_margin": repr(margin),
+    }
+    for k, v in tags.items():
+        c.set_model_version_tag(name, mv.version, k, v)
+    if promoted:
+        c.set_registered_model_alias(name, CHAMPION, mv.version)
+    log.info("registered %s v%s: %s", name, mv.version, decision)
+    after = current_champion(c, name)
+    aliases = [CANDIDATE] + ([CHAMPION] if promoted else [])
+    return Registration(
+        name=name,
+        version=str(mv.version),
+        aliases=aliases,
+        promoted=promoted,
+        decision=decision,
+        score=score,
+        champion_version=after.version if after is not None else "",
+        previous_champion=champion.version if champion is not None else "",
+        previous_champion_score=champion_score if champion_score is not None else float("nan"),
+        model_uri=f"models:/{name}/{mv.version}",
+        run_url=run_url(run),
+        version_url=version_url(run.uri, name, mv.version),
+        tags={**base_tags, **tags},
+    )
+
+
+def version_url(uri: str, name: str, version: str) -> str:
+    if urlparse(uri).scheme in ("http", "https"):
+        return f"{uri.rstrip('/')}/#/models/{name}/versions/{version}"
+    return f"models:/{name}/{version} in {uri}"
+
+
+# -- the registry view ----------------------------------------------------------------------------------
+
+
+def show(uri: str, name: str | None = None) -> dict:
+    """The registered model as one JSON-able dict (see the module docstring)."""
+    c = client(uri)
+    if name is None:
+        names = [m.name for m in c.search_registered_models()]
+        if len(names) != 1:
+            from diffusionrl.config import get_preset
+
+            default = get_preset("tiny-cpu").tracking.registered_model
+            if default not in names:
+                raise SystemExit(f"{len(names)} registered models in {uri} ({', '.join(names) or 'none'}): "
+                                 "pick one with --name")
+            names = [default]
+        name = names[0]
+    model = c.get_registered_model(name)
+    aliases: dict[str, list[str]] = {}
+    for alias, version in (model.aliases or {}).items():
+        aliases.setdefault(str(version), []).append(alias)
+    versions = []
+    for mv in sorted(c.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
+        tags = mv.tags or {}
+        score = tags.get("eval_score")
+        versions.append({
+            "version": str(mv.version),
+            "aliases": sorted(aliases.get(str(mv.version), [])),
+            "eval_score": float(score) if score else None,
+            "run_id": mv.run_id,
+            **{k: tags.get(k) for k in LINEAGE_KEYS},
+            "decision": tags.get("decision"),
+            "source": mv.source,
+        })
+    champion = next((v["version"] for v in versions if CHAMPION in v["aliases"]), None)
+    return {"name": name, "tracking_uri": uri, "champion": champion, "versions": versions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffusionrl.registry", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("show", help="print the registered model (versions, aliases, scores, lineage) as JSON")
+    p.add_argument("--name", help="registered model name (default: the only one, or the tiny-cpu preset's)")
+    p.add_argument("--tracking-uri", default="", help="default: $MLFLOW_TRACKING_URI or ./runs/mlflow")
+    args = parser.parse_args(argv)
+    print(json.dumps(show(resolve_uri(args.tracking_uri), args.name), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""MLflow lineage and registry against a real ``mlflow server`` on loopback (SQLite backend,
+temporary artifact root), driven by the real workflow (local Flyte execution, local Ray)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import requests
+import torch
+from mlflow import MlflowClient
+
+from diffusionrl import registry, tracking
+
+from .conftest import TINY_OVERRIDES, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "secret-value-7f3a9c"
+SMALL = TINY_OVERRIDES + ["data.num_prompts=24", "data.test_fraction=0.2", "eval.num_prompts=2"]
+GOOD = SMALL + ["train.steps=3", "train.log_images_every=1"]
+WORSE = SMALL + ["train.steps=1", "train.learning_rate=1e-12"]  # ~ the base model
+SECTION_10 = [
+    "rollout/reward/raw_mean", "rollout/reward/raw_std", "rollout/reward/raw_min", "rollout/reward/raw_max",
+    "rollout/reward/raw_median", "rollout/reward/num_samples", "rollout/reward/jpeg_compressibility_mean",
+    "rollout/zero_std/count", "train/loss", "train/policy_loss", "train/kl_loss", "train/approx_kl", "train/clipfrac",
+    "train/ratio_abs_minus_1", "train/log_prob_mean_abs_diff", "train/grad_norm", "train/lr", "perf/rollout_time",
+    "perf/reward_time", "perf/train_time", "perf/update_weights_time", "perf/step_time",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real MLflow tracking + registry server: SQLite backend, local artifact root."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if requests.get(uri + "/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    yield uri, root
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def grpo():
+    sys.path.insert(0, str(ROOT))
+    from workflows.grpo import grpo as wf
+
+    return wf
+
+
+@pytest.fixture(scope="module")
+def runs(server, grpo, tmp_path_factory):
+    """Two executions against the server: a trained one (with HF_TOKEN set), then a worse one."""
+    uri, _ = server
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", uri)
+    mp.setenv("HF_TOKEN", SECRET)
+    try:
+        good_dir = tmp_path_factory.mktemp("good")
+        good = grpo(overrides=GOOD, checkpoint_dir=str(good_dir))
+        mp.delenv("HF_TOKEN")
+        worse = grpo(overrides=WORSE, checkpoint_dir=str(tmp_path_factory.mktemp("worse")))
+    finally:
+        mp.undo()
+    return good, worse, good_dir
+
+
+def _client(server) -> MlflowClient:
+    return MlflowClient(tracking_uri=server[0], registry_uri=server[0])
+
+
+def _children(client, parent):
+    runs = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return {r.data.tags[tracking.STAGE_TAG]: r for r in runs}
+
+
+def test_run_tree_tags_params_metrics_datasets_images_and_report(server, runs):
+    good, _, _ = runs
+    client = _client(server)
+    mv = client.get_model_version(good.registered.name, good.registered.version)
+    parent = client.get_run(mv.run_id)
+    tags = parent.data.tags
+    assert parent.info.status == "FINISHED"
+    for key in ("flyte_execution_id", "workflow_version", "git_sha", "config_digest", "base_model",
+                "base_model_digest", "dataset_digest"):
+        assert tags.get(key), key
+    assert tags["base_model"] == "builtin:tiny-sd3" and len(tags["base_model_digest"]) == 64
+    assert tags["flyte_execution_id"].startswith("local-")
+    # params: the whole flattened config
+    assert parent.data.params["train.steps"] == "3" and parent.data.params["sampling.resolution"] == "32"
+    assert len(parent.data.params) >= 60
+    stages = _children(client, parent)
+    assert set(stages) == {"prepare", "train", "evaluate"}
+    assert all(r.info.status == "FINISHED" for r in stages.values())
+    assert all(r.data.tags["config_digest"] == tags["config_digest"] for r in stages.values())
+    # every section-10 metric, once per step
+    train_run = stages["train"].info.run_id
+    for key in SECTION_10:
+        assert [m.step for m in client.get_metric_history(train_run, key)] == [1, 2, 3], key
+    assert good.metrics["rollout/reward/raw_mean"].tolist() == pytest.approx(
+        [m.value for m in client.get_metric_history(train_run, "rollout/reward/raw_mean")])
+    # sample images every step (log_images_every=1)
+    images = [a.path for a in client.list_artifacts(train_run, "images")]
+    assert len([p for p in images if p.endswith(".png")]) >= 3
+    # eval metrics on the evaluate run and the workflow run
+    assert stages["evaluate"].data.metrics["eval/reward_mean"] == pytest.approx(good.eval_summary["eval/reward_mean"])
+    assert parent.data.metrics["eval/reward_mean"] == pytest.approx(good.eval_summary["eval/reward_mean"])
+    # datasets with digests; the Parquet they name is an artifact of the prepare run
+    inputs = stages["prepare"].inputs.dataset_inputs
+    by_name = {d.dataset.name: d for d in inputs}
+    assert set(by_name) == {"prompts-train", "prompts-test"}
+    contexts = {d.dataset.name: {t.key: t.value for t in d.tags}["mlflow.data.context"] for d in inputs}
+    assert contexts == {"prompts-train": "training", "prompts-test": "evaluation"}
+    local = Path(client.download_artifacts(stages["prepare"].info.run_id, "data"))
+    for split in ("train", "test"):
+        df = pd.read_parquet(local / f"prompts-{split}.parquet")
+        assert by_name[f"prompts-{split}"].dataset.digest == tracking.frame_digest(df)
+    # report and trajectories on the workflow run
+    top = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"report.html", "trajectories"} <= top
+    traj = {a.path for a in client.list_artifacts(parent.info.run_id, "trajectories")}
+    assert "trajectories/step-000003.parquet" in traj
+    html = Path(client.download_artifacts(parent.info.run_id, "report.html")).read_text()
+    assert f"{good.registered.name} v{good.registered.version}" in html
+    # the logged model belongs to the run's experiment (not MLflow's Default one)
+    model = client.get_logged_model(mv.source.removeprefix("models:/"))
+    assert model.experiment_id == parent.info.experiment_id and model.source_run_id == parent.info.run_id
+
+
+def test_registered_versions_candidate_and_champion(server, runs):
+    good, worse, _ = runs
+    client = _client(server)
+    name = good.registered.name
+    assert good.registered.aliases == ["candidate", "champion"] and good.registered.promoted
+    assert worse.registered.score < good.registered.score  # the precondition of "worse"
+    assert not worse.registered.promoted and worse.registered.champion_version == good.registered.version
+    assert client.get_model_version_by_alias(name, "champion").version == good.registered.version
+    assert client.get_model_version_by_alias(name, "candidate").version == worse.registered.version
+    tags = client.get_model_version(name, worse.registered.version).tags
+    assert tags["promoted"] == "false" and tags["decision"].startswith("kept champion")
+    assert float(tags["eval_score"]) == pytest.approx(worse.registered.score)
+    assert float(tags["champion_score_compared"]) == pytest.approx(good.registered.score)
+    assert tags["champion_before"] == good.registered.version and tags["eval_key"]
+
+
+def test_champion_loads_through_pyfunc_and_generates(server, runs):
+    import mlflow.pyfunc
+    from PIL import Image
+
+    good, _, _ = runs
+    mlflow.set_tracking_uri(server[0])
+    mlflow.set_registry_uri(server[0])
+    model = mlflow.pyfunc.load_model(f"models:/{good.registered.name}@champion")
+    out = model.predict(pd.DataFrame({"prompt": ["a red apple on a table"]}), params={"num_inference_steps": 3})
+    assert len(out) == 1
+    img = Image.open(io.BytesIO(out[0]))
+    assert img.size == (32, 32) and np.asarray(img).std() > 0
+
+
+def test_registered_adapter_equals_the_trained_lora(server, runs):
+    """diffusers' load_lora_weights on the registered adapter gives our peft model's exact output."""
+    import mlflow.diffusers
+    from peft import PeftModel
+
+    from diffusionrl.models import build_tiny_sd3_pipeline
+
+    good, _, _ = runs
+    mlflow.set_registry_uri(server[0])
+    pipe = mlflow.diffusers.load_model(f"models:/{good.registered.name}@champion").load_pipeline(device="cpu")
+    ours = PeftModel.from_pretrained(build_tiny_sd3_pipeline().transformer, good.lora.path).eval()
+    c = pipe.transformer.config
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, c.in_channels, 4, 4, generator=gen)
+    enc = torch.randn(2, 12, c.joint_attention_dim, generator=gen)
+    pooled = torch.randn(2, c.pooled_projection_dim, generator=gen)
+    t = torch.tensor([300.0, 700.0])
+    with torch.no_grad():
+        a = pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=enc, pooled_projections=pooled).sample
+        b = ours(hidden_states=x, timestep=t, encoder_hidden_states=enc, pooled_projections=pooled).sample
+        with ours.disable_adapter():
+            base = ours(hidden_states=x, timestep=t, encoder_hidden_states=enc, pooled_projections=pooled).sample
+    assert (a - b).abs().max().item() <= 1e-6
+    assert (a - base).abs().max().item() > 1e-4  # the adapter is really applied
+
+
+def test_secret_never_reaches_the_store_or_artifacts(server, runs):
+    _, _, good_dir = runs
+    _, root = server
+    needle = SECRET.encode()
+    files = [p for p in list(root.rglob("*")) + list(good_dir.rglob("*")) if p.is_file() and p.name != "server.log"]
+    assert any(p.suffix == ".db" for p in files) and any(p.name == "MLmodel" for p in files)
+    leaked = [str(p) for p in files if needle in p.read_bytes()]
+    assert leaked == []
+
+
+def test_registry_show_cli(server, runs):
+    good, worse, _ = runs
+    env = {**os.environ, "MLFLOW_TRACKING_URI": server[0]}
+    out = subprocess.run([sys.executable, "-m", "diffusionrl.registry", "show"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    view = json.loads(out.stdout)
+    assert view["name"] == good.registered.name and view["champion"] == good.registered.version
+    v1, v2 = view["versions"][:2]
+    assert v1["aliases"] == ["champion"] and v2["aliases"] == ["candidate"]
+    for v in (v1, v2):
+        assert set(tracking.LINEAGE_KEYS) <= set(v) and all(v[k] for k in tracking.LINEAGE_KEYS)
+        assert isinstance(v["eval_score"], float) and v["run_id"]
+    assert v1["eval_score"] == pytest.approx(good.registered.score)
+
+
+def test_champion_with_another_evaluation_is_re_evaluated(server, runs):
+    """A version whose eval_key differs from the champion's compares against a re-score of the
+    champion on its own evaluation, never against a number from another evaluation."""
+    good, _, _ = runs
+    uri = server[0]
+    client = _client(server)
+    mv = client.get_model_version(good.registered.name, good.registered.version)
+    run = tracking.TrackingRun(uri, client.get_run(mv.run_id).info.experiment_id, mv.run_id)
+    cfg = tiny_config(*SMALL)
+    assert cfg.tracking.registered_model == good.registered.name
+    info = registry.log_lora_model(run, cfg, good.lora.path, _base_ref(mv), example_prompt="a cat", metadata={})
+    seen = []
+
+    def rescore(peft_dir: Path) -> float:
+        seen.append(peft_dir)
+        assert (peft_dir / "adapter_model.safetensors").is_file()
+        return good.registered.score + 1.0  # the champion under the new evaluation
+
+    lineage = {k: mv.tags[k] for k in tracking.LINEAGE_KEYS}
+    reg = registry.register(run, cfg, info, good.registered.score + 0.5, "another-eval-key", lineage, rescore=rescore)
+    assert len(seen) == 1 and not reg.promoted and "re-evaluated" in reg.decision
+    assert reg.previous_champion_score == pytest.approx(good.registered.score + 1.0)
+    assert client.get_model_version_by_alias(good.registered.name, "champion").version == good.registered.version
+
+
+def _base_ref(mv) -> str:
+    """The base-model reference the registered version's diffusers flavor recorded."""
+    import mlflow.diffusers
+
+    return mlflow.diffusers.load_model(f"models:/{mv.name}/{mv.version}").base_model
+
+
+def test_decide_margin():
+    assert registry.decide(1.0, None, 0.0)[0]
+    assert registry.decide(1.0, 0.5, 0.1)[0]
+    assert not registry.decide(1.0, 0.95, 0.1)[0]
+    assert not registry.decide(1.0, 1.0, 0.0)[0]  # a tie does not move the champion
+
+
+def test_unreachable_tracking_uri_fails_before_training(grpo, tmp_path):
+    bad = f"http://127.0.0.1:{_free_port()}"
+    ckpt = tmp_path / "run"
+    with pytest.raises(Exception) as err:
+        grpo(overrides=SMALL + [f"tracking.uri={bad}"], checkpoint_dir=str(ckpt))
+    assert bad in str(err.value) and "unreachable" in str(err.value)
+    assert not (ckpt / "checkpoints").exists()  # training never started
+
+
+def test_metric_logger_buffers_through_an_outage(server):
+    """A store that is down keeps metrics buffered; they arrive once it answers again."""
+    from types import SimpleNamespace
+
+    uri = server[0]
+    exp = tracking.ensure_experiment(uri, "logger-test")
+    run_id = _client(server).create_run(exp).info.run_id
+    logger = tracking.MetricLogger(f"http://127.0.0.1:{_free_port()}", run_id, attempts=2, base_delay_s=0.01)
+    traj = SimpleNamespace(images=None)
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    try:
+        logger.on_step(None, 1, traj, {"train/loss": 0.5, "perf/step_time": 1.0})
+        logger.on_step(None, 2, traj, {"train/loss": 0.25, "perf/step_time": 1.0})
+    finally:
+        os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    assert logger.failed_flushes == 2 and len(logger.buffer) == 4
+    logger.uri = uri  # the store is back
+    logger.on_end(SimpleNamespace(out_dir="."))
+    assert logger.buffer == []
+    assert [(m.step, m.value) for m in _client(server).get_metric_history(run_id, "train/loss")] == [(1, 0.5), (2, 0.25)]
+
+
+def test_preflight_names_the_uri():
+    bad = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(tracking.TrackingUnavailable, match=bad.replace(".", r"\.")):
+        tracking.preflight(bad, timeout_s=2)
