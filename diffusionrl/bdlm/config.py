@@ -1,0 +1,260 @@
+"""Configuration tree of a block-diffusion language-model run (``BDLMConfig``).
+
+Sections: ``model`` (network and decoding), ``task`` (the verifiable digit task and its splits),
+``warm_start`` (masked-diffusion supervised stage), ``grpo`` (RL on exact traces) and ``eval``.
+Same conventions as the image ``Config``: every default lives here once, each field carries its
+help text, unknown keys and inconsistent settings are rejected with a message that says what to
+change, and the tree stays plain so that it travels as a Flyte dataclass input.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from diffusionrl.config import (
+    ConfigError,
+    _choice,
+    _coerce,
+    _f,
+    _positive,
+    _unknown,
+    apply_overrides,
+)
+
+TASK_KINDS = ("reverse", "sort", "add")
+
+
+@dataclass
+class BDLMModelConfig:
+    name: str = _f("builtin:tiny-bdlm", "Model: 'builtin:tiny-bdlm' (built in code) or a saved model folder")
+    dim: int = _f(96, "builtin: hidden size")
+    layers: int = _f(3, "builtin: transformer blocks")
+    heads: int = _f(4, "builtin: attention heads (must divide dim)")
+    ff_dim: int = _f(256, "builtin: feed-forward hidden size")
+    max_length: int = _f(32, "builtin: longest canvas (prompt region + gen_length) the position table holds")
+    init_seed: int = _f(0, "builtin: seed of the random initial weights")
+    gen_length: int = _f(8, "Generated tokens per sample (answer + EOS + EOS padding)")
+    block_size: int = _f(4, "Semi-autoregressive block: positions decoded before the next block opens")
+    temperature: float = _f(1.0, "Rollout proposal temperature T in softmax(logits / T)")
+    threshold: float = _f(0.9, "Commit every position whose confidence (max prob) >= threshold")
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "layers", "heads", "ff_dim", "max_length", "gen_length", "block_size"):
+            _positive("model", name, getattr(self, name))
+        _positive("model", "temperature", self.temperature)
+        if self.dim % self.heads:
+            raise ConfigError(f"model.heads={self.heads} does not divide model.dim={self.dim}; use heads=4 or dim={self.heads * 32}")
+        if self.gen_length % self.block_size:
+            raise ConfigError(
+                f"model.gen_length={self.gen_length} is not a multiple of model.block_size={self.block_size}; "
+                f"use gen_length={-(-self.gen_length // self.block_size) * self.block_size}"
+            )
+        if not 0 < self.threshold <= 1:
+            raise ConfigError(f"model.threshold={self.threshold} must be in (0, 1] (1 commits one token per step)")
+
+
+@dataclass
+class TaskConfig:
+    kind: str = _f("sort", "Digit task: reverse | sort | add (two operands)")
+    min_len: int = _f(3, "Shortest digit string (per operand for add)")
+    max_len: int = _f(6, "Longest digit string (per operand for add)")
+    num_train: int = _f(4000, "Distinct training prompts generated")
+    num_test: int = _f(200, "Distinct held-out prompts (disjoint from train)")
+    seed: int = _f(0, "Seed of the generator and the split")
+    partial_weight: float = _f(0.5, "Reward = exact match + partial_weight * share of correct positions")
+
+    def __post_init__(self) -> None:
+        _choice("task", "kind", self.kind, TASK_KINDS)
+        _positive("task", "min_len", self.min_len)
+        if self.max_len < self.min_len:
+            raise ConfigError(f"task.max_len={self.max_len} < task.min_len={self.min_len}")
+        _positive("task", "num_train", self.num_train)
+        _positive("task", "num_test", self.num_test)
+        _positive("task", "partial_weight", self.partial_weight, allow_zero=True)
+
+    @property
+    def prompt_length(self) -> int:
+        """Prompt region P: digits then SEP (add: a SEP b SEP), left-padded with PAD."""
+        return 2 * self.max_len + 2 if self.kind == "add" else self.max_len + 1
+
+    @property
+    def max_answer_length(self) -> int:
+        return self.max_len + 1 if self.kind == "add" else self.max_len
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = _f(150, "Masked-diffusion supervised steps before GRPO")
+    lr: float = _f(3e-3, "AdamW learning rate")
+    batch_size: int = _f(64, "Sequences per step")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    seed: int = _f(0, "Seed of batches and mask ratios")
+
+    def __post_init__(self) -> None:
+        _positive("warm_start", "steps", self.steps, allow_zero=True)
+        _positive("warm_start", "lr", self.lr)
+        _positive("warm_start", "batch_size", self.batch_size)
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = _f(60, "RL steps (rollout + update)")
+    prompts_per_step: int = _f(16, "Distinct prompts (groups) per step")
+    group_size: int = _f(8, "Samples per prompt k")
+    micro_batch_size: int = _f(32, "Rows per forward; rollout and replay use the same composition")
+    inner_iterations: int = _f(2, "Optimizer steps per rollout batch (old policy = start-of-step snapshot)")
+    clip_range: float = _f(0.2, "PPO ratio clip epsilon (per-token log-probs, hence the usual 0.2)")
+    kl_beta: float = _f(0.01, "Weight of the exact categorical KL to the reference (0 skips the reference pass)")
+    adv_clip_max: float = _f(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
+    global_std: bool = _f(False, "Normalise advantages by the batch std instead of the group std")
+    lr: float = _f(2e-4, "AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables)")
+    seed: int = _f(0, "Seed of prompts and sample seeds")
+    checkpoint_every: int = _f(10, "Save a resumable checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = _f(2, "How many recent checkpoints to keep")
+    save_traces: bool = _f(True, "Write each step's traces to traces/step-XXXXXX.parquet")
+    sequence_packing: bool = _f(False, "Pack several sequences per row (not supported: replay needs one per row)")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "inner_iterations"):
+            _positive("grpo", name, getattr(self, name))
+        _positive("grpo", "clip_range", self.clip_range)
+        _positive("grpo", "kl_beta", self.kl_beta, allow_zero=True)
+        _positive("grpo", "adv_clip_max", self.adv_clip_max)
+        _positive("grpo", "lr", self.lr)
+        _positive("grpo", "max_grad_norm", self.max_grad_norm, allow_zero=True)
+        if self.sequence_packing:
+            raise ConfigError(
+                "grpo.sequence_packing=true is not supported: trace replay re-masks whole rows by commit "
+                "step, so a row must hold exactly one sequence; set grpo.sequence_packing=false"
+            )
+        if self.group_size < 2:
+            raise ConfigError(f"grpo.group_size={self.group_size}: GRPO needs >= 2 samples per prompt for a group baseline")
+        batch = self.prompts_per_step * self.group_size
+        if batch % self.micro_batch_size:
+            fit = next(m for m in range(self.micro_batch_size, 0, -1) if batch % m == 0)
+            raise ConfigError(
+                f"grpo: a step's batch of prompts_per_step * group_size = {batch} rows is not divisible by "
+                f"micro_batch_size {self.micro_batch_size}; use micro_batch_size={fit}"
+            )
+
+
+@dataclass
+class BDLMEvalConfig:
+    batch_size: int = _f(100, "Rows per greedy decoding batch")
+    num_samples: int = _f(0, "Held-out prompts evaluated (0 = the whole test split)")
+    threshold: float = _f(0.9, "Commit threshold of the greedy evaluation decoder")
+
+    def __post_init__(self) -> None:
+        _positive("eval", "batch_size", self.batch_size)
+        _positive("eval", "num_samples", self.num_samples, allow_zero=True)
+        if not 0 < self.threshold <= 1:
+            raise ConfigError(f"eval.threshold={self.threshold} must be in (0, 1]")
+
+
+SECTIONS: dict[str, type] = {
+    "model": BDLMModelConfig,
+    "task": TaskConfig,
+    "warm_start": WarmStartConfig,
+    "grpo": GRPOConfig,
+    "eval": BDLMEvalConfig,
+}
+
+
+@dataclass
+class BDLMConfig:
+    model: BDLMModelConfig = field(default_factory=BDLMModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    eval: BDLMEvalConfig = field(default_factory=BDLMEvalConfig)
+    preset: str = _f("tiny-bdlm", "Name of the preset this config started from (informational)")
+
+    def __post_init__(self) -> None:
+        need = self.task.max_answer_length + 1
+        if self.model.gen_length < need:
+            raise ConfigError(
+                f"model.gen_length={self.model.gen_length} cannot hold the longest {self.task.kind} answer "
+                f"({self.task.max_answer_length} digits) plus EOS; use gen_length >= {need} (a multiple of block_size)"
+            )
+        length = self.canvas_length
+        if self.model.name.startswith("builtin:") and length > self.model.max_length:
+            raise ConfigError(
+                f"canvas length task.prompt_length + model.gen_length = {length} exceeds model.max_length="
+                f"{self.model.max_length}; raise model.max_length to {length}"
+            )
+
+    @property
+    def canvas_length(self) -> int:
+        return self.task.prompt_length + self.model.gen_length
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """Content digest of the config (sha256 of its canonical JSON), 16 hex chars."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "bdlm config") -> BDLMConfig:
+        return _build(cls, data, where)
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = [f.name for f in fields(cls)]
+    types = {f.name: f.type for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise _unknown(key, known, where)
+        if cls is BDLMConfig and key in SECTIONS:
+            kwargs[key] = _build(SECTIONS[key], value, f"{where}.{key}")
+        else:
+            kwargs[key] = _coerce(value, types[key], f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _tiny_bdlm() -> dict[str, Any]:
+    # Sort 3-6 digit strings with a 0.27 M-parameter model. (Reverse is too easy with a
+    # left-padded prompt: it is a fixed positional copy, learnt perfectly in 100 SFT steps; add
+    # with most-significant-first answers does not move in 600.) The warm start is kept short on
+    # purpose (150 steps: ~30-40 % greedy exact match) so that groups have reward variance and
+    # GRPO has room to add a clear margin within ~2 minutes on one CPU thread
+    # (bench/bdlm_learning.py).
+    return {"task": {"kind": "sort"}, "warm_start": {"steps": 150}, "grpo": {"steps": 60}}
+
+
+PRESETS = {"tiny-bdlm": _tiny_bdlm}
+
+
+def _overlay(base: dict[str, Any], update: dict[str, Any], where: str) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if key not in out:
+            raise _unknown(key, list(out), where)
+        out[key] = _overlay(out[key], value, f"{where}.{key}") if isinstance(value, dict) else copy.deepcopy(value)
+    return out
+
+
+def load_bdlm_config(preset: str = "tiny-bdlm", overrides: list[str] | None = None,
+                     data: dict[str, Any] | None = None) -> BDLMConfig:
+    """Preset + an optional dict laid over it + dotted ``section.key=value`` overrides."""
+    if preset not in PRESETS:
+        hint = difflib.get_close_matches(preset, list(PRESETS), n=1)
+        extra = f"; did you mean {hint[0]!r}?" if hint else ""
+        raise ConfigError(f"unknown bdlm preset {preset!r}; known presets: {', '.join(PRESETS)}{extra}")
+    base = _overlay(BDLMConfig().to_dict(), PRESETS[preset](), f"preset {preset}")
+    base["preset"] = preset
+    if data:
+        base = _overlay(base, data, "bdlm config")
+    return BDLMConfig.from_dict(apply_overrides(base, overrides or []), where=f"preset {preset}")
