@@ -163,8 +163,9 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
              rescore: Callable[[Path], float] | None = None) -> Registration:
     """Register ``model_info`` as a version (alias candidate) and move ``champion`` only if better.
 
-    ``rescore(peft_dir) -> score`` re-evaluates another adapter on this run's evaluation; it is
-    used when the champion's ``eval_key`` differs from ``key`` (same base weights only).
+    ``rescore(model_dir) -> score`` re-evaluates another version (its downloaded MLflow model
+    folder) on this run's evaluation; it is used when the champion's ``eval_key`` differs from
+    ``key`` (same base weights only).
     """
     import mlflow
     from mlflow.artifacts import download_artifacts
@@ -186,7 +187,7 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
         elif ctags.get("base_model_digest") == lineage.get("base_model_digest") and rescore is not None:
             with tempfile.TemporaryDirectory() as tmp:
                 local = Path(download_artifacts(f"models:/{name}/{champion.version}", dst_path=tmp))
-                champion_score = float(rescore(local / "adapter_weights" / PEFT_SUBDIR))
+                champion_score = float(rescore(local))
             note = f" (champion v{champion.version} re-evaluated on this run's evaluation)"
         else:
             note = (f"not comparable: champion v{champion.version} was trained on other base weights "

@@ -145,8 +145,12 @@ def git_sha() -> tuple[str, bool]:
 
 
 def lineage_tags(cfg, execution: dict[str, str]) -> dict[str, str]:
-    """Tags every run of an execution carries (dataset and weight digests are added once known)."""
+    """Tags every run of an execution carries (dataset and weight digests are added once known).
+
+    ``cfg`` is an image ``Config`` or a ``BDLMConfig``: anything with ``digest()``, ``preset``,
+    ``model.name`` and ``tracking``; an ``algorithm.name`` and ``model.revision`` if it has them."""
     sha, dirty = git_sha()
+    algorithm = getattr(getattr(cfg, "algorithm", None), "name", "")
     return {
         **execution,
         "git_sha": sha,
@@ -154,9 +158,9 @@ def lineage_tags(cfg, execution: dict[str, str]) -> dict[str, str]:
         "mlflow.source.git.commit": sha,
         "config_digest": cfg.digest(),
         "preset": cfg.preset,
-        "algorithm": cfg.algorithm.name,
+        "algorithm": algorithm,
         "base_model": cfg.model.name,
-        "base_model_revision": cfg.model.revision or "default",
+        "base_model_revision": getattr(cfg.model, "revision", "") or "default",
         "registered_model": cfg.tracking.registered_model,
     }
 
@@ -168,7 +172,7 @@ def config_params(cfg) -> dict[str, str]:
 # -- the run tree --------------------------------------------------------------------------------
 
 
-def start_workflow_run(cfg, execution: dict[str, str]) -> TrackingRun:
+def start_workflow_run(cfg, execution: dict[str, str], extra_tags: dict[str, str] | None = None) -> TrackingRun:
     """Preflight, then the workflow run with lineage tags and the flattened config as params."""
     from mlflow.entities import Param
 
@@ -178,7 +182,8 @@ def start_workflow_run(cfg, execution: dict[str, str]) -> TrackingRun:
     exp_id = ensure_experiment(uri, cfg.tracking.experiment)
     c = client(uri)
     name = execution.get("flyte_execution_id", "local")
-    run = c.create_run(exp_id, tags={**lineage_tags(cfg, execution), STAGE_TAG: "workflow"}, run_name=name)
+    tags = {**lineage_tags(cfg, execution), **(extra_tags or {}), STAGE_TAG: "workflow"}
+    run = c.create_run(exp_id, tags=tags, run_name=name)
     params = [Param(k, v[:6000]) for k, v in config_params(cfg).items()]
     for i in range(0, len(params), 100):
         c.log_batch(run.info.run_id, params=params[i : i + 100])
@@ -361,8 +366,9 @@ class MetricLogger:
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()
                         if isinstance(v, (int, float)) and math.isfinite(float(v))]
         self.flush()
-        if self.images_every and step % self.images_every == 0 and traj.images is not None:
-            row = image_row(traj.images)
+        images = getattr(traj, "images", None)  # image trajectories have them, text traces do not
+        if self.images_every and step % self.images_every == 0 and images is not None:
+            row = image_row(images)
             try:
                 with_retries(lambda: client(self.uri).log_image(self.run_id, row, key="rollout/samples", step=step),
                              self.attempts, f"log_image step {step}", self.base_delay_s)

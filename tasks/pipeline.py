@@ -339,7 +339,8 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
         example_prompt=rows[0]["prompt"], metadata=lineage,
     )
 
-    def rescore(peft_dir: Path) -> float:
+    def rescore(model_dir: Path) -> float:
+        peft_dir = model_dir / "adapter_weights" / registry.PEFT_SUBDIR
         return evaluate_lora(config, rows, peft_dir, model_path=model_path).summary["eval/reward_mean"]
 
     key = registry.eval_key(config, test_digest, model_digest)

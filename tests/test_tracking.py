@@ -253,9 +253,9 @@ def test_champion_with_another_evaluation_is_re_evaluated(server, runs):
     info = registry.log_lora_model(run, cfg, good.lora.path, _base_ref(mv), example_prompt="a cat", metadata={})
     seen = []
 
-    def rescore(peft_dir: Path) -> float:
-        seen.append(peft_dir)
-        assert (peft_dir / "adapter_model.safetensors").is_file()
+    def rescore(model_dir: Path) -> float:
+        seen.append(model_dir)
+        assert (model_dir / "adapter_weights" / registry.PEFT_SUBDIR / "adapter_model.safetensors").is_file()
         return good.registered.score + 1.0  # the champion under the new evaluation
 
     lineage = {k: mv.tags[k] for k in tracking.LINEAGE_KEYS}

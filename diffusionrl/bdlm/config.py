@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from diffusionrl.config import (
+    TrackingConfig,
     ConfigError,
     _choice,
     _coerce,
@@ -151,6 +152,7 @@ class BDLMEvalConfig:
     batch_size: int = _f(100, "Rows per greedy decoding batch")
     num_samples: int = _f(0, "Held-out prompts evaluated (0 = the whole test split)")
     threshold: float = _f(0.9, "Commit threshold of the greedy evaluation decoder")
+    champion_margin: float = _f(0.0, "Registry: promote to champion only if eval/reward_mean is better by more than this")
 
     def __post_init__(self) -> None:
         _positive("eval", "batch_size", self.batch_size)
@@ -165,6 +167,7 @@ SECTIONS: dict[str, type] = {
     "warm_start": WarmStartConfig,
     "grpo": GRPOConfig,
     "eval": BDLMEvalConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -175,6 +178,7 @@ class BDLMConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: BDLMEvalConfig = field(default_factory=BDLMEvalConfig)
+    tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(registered_model="tiny-bdlm-sort"))
     preset: str = _f("tiny-bdlm", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
@@ -197,6 +201,16 @@ class BDLMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> values, for MLflow params and logs."""
+        out: dict[str, Any] = {}
+        for section, values in self.to_dict().items():
+            if isinstance(values, dict):
+                out.update({f"{section}.{k}": v for k, v in values.items()})
+            else:
+                out[section] = values
+        return out
 
     def digest(self) -> str:
         """Content digest of the config (sha256 of its canonical JSON), 16 hex chars."""
