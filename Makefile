@@ -14,9 +14,28 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup sglang-env demo test bench clean
 
 setup: $(STAMP)
+
+# SGLang's diffusion runtime in its own venv (it pins torch 2.14.1, transformers 5.19, diffusers
+# 0.37): pins in requirements/sglang-constraints.txt, its pure-Python needs in requirements/sglang.txt
+# (docs/sglang.md). ~6 GB; reinstalls only when those files change. Skip with SGLANG_ENV= (empty).
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_C     := requirements/sglang-constraints.txt
+SGLANG_ENV   ?= $(SGLANG_STAMP)
+
+sglang-env: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): requirements/sglang.txt $(SGLANG_C)
+	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q torch torchvision -c $(SGLANG_C)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang -c $(SGLANG_C)
+	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements/sglang.txt -c $(SGLANG_C)
+	$(SGLANG_VENV)/bin/python -c "import sglang.multimodal_gen, triton, torch; print('sglang env ok, torch', torch.__version__)"
+	@touch $(SGLANG_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,16 +60,17 @@ demo: setup
 	@$(BIN)/python -m diffusionrl.registry show
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
-test: setup
+test: setup $(SGLANG_ENV)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-bench: setup
+bench: setup $(SGLANG_ENV)
 	$(BIN)/python bench/exactness.py
 	$(BIN)/python bench/rollout_overhead.py
 	$(BIN)/python bench/learning.py
 	$(BIN)/python bench/rewards.py
 	$(BIN)/python bench/pipeline_overhead.py
+	$(BIN)/python bench/sglang_vs_local.py
 
 clean:
 	rm -rf runs .pytest_cache

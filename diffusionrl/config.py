@@ -94,12 +94,28 @@ class SamplingConfig:
     candidate_steps: list[int] = _f([0, 1, 2, 3, 4, 5, 6, 7, 8], "Steps epoch_random_choice draws from")
     ode_solver: str = _f("euler", "Deterministic solver for NFT rollouts and eval: euler | heun")
     engine: str = _f("local", "Rollout engine: local (in-process diffusers) | sglang (SGLang diffusion server)")
+    sglang_python: str = _f(
+        "", "sglang engine: Python interpreter of the SGLang venv ('' = $DIFFUSIONRL_SGLANG_PYTHON, else "
+        "the repo's .venv-sglang/bin/python, else the current interpreter if it imports sglang)"
+    )
+    sglang_port: int = _f(0, "sglang engine: HTTP port of the server it launches on 127.0.0.1 (0 = a free port)")
+    sglang_verify_weights: bool = _f(
+        False, "sglang engine: after each weight push, check the server's /get_weights_checksum against ours"
+    )
+    sglang_ipc_bucket_mb: int = _f(512, "sglang engine: CUDA IPC weight-push bucket size in MiB (colocated GPU only)")
+    sglang_start_timeout_s: float = _f(300.0, "sglang engine: seconds to wait for the server to become healthy")
+    sglang_max_restarts: int = _f(3, "sglang engine: server restarts (then a batch retry) allowed per run")
 
     def __post_init__(self) -> None:
         _choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode"))
         _choice("sampling", "step_strategy", self.step_strategy, ("all", "sde_window", "epoch_random_choice"))
         _choice("sampling", "ode_solver", self.ode_solver, ("euler", "heun"))
         _choice("sampling", "engine", self.engine, ("local", "sglang"))
+        if not 0 <= self.sglang_port <= 65535:
+            raise ConfigError(f"sampling.sglang_port={self.sglang_port} must be in [0, 65535] (0 picks a free port)")
+        _positive("sampling", "sglang_ipc_bucket_mb", self.sglang_ipc_bucket_mb)
+        _positive("sampling", "sglang_start_timeout_s", self.sglang_start_timeout_s)
+        _positive("sampling", "sglang_max_restarts", self.sglang_max_restarts, allow_zero=True)
         if self.resolution <= 0 or self.resolution % 16:
             raise ConfigError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
         if self.num_steps < 2:
@@ -594,8 +610,15 @@ def _sd35m_pickscore_nft() -> dict[str, Any]:
     )
 
 
+def _tiny_cpu_sglang() -> dict[str, Any]:
+    # tiny-cpu with rollouts from a real SGLang diffusion server (CPU, fp32) that this run launches
+    # from .venv-sglang (`make sglang-env`); LoRA pushed as merged weights, checksum-verified.
+    return _overlay(_tiny_cpu(), {"sampling": {"engine": "sglang", "sglang_verify_weights": True}})
+
+
 PRESETS: dict[str, Any] = {
     "tiny-cpu": _tiny_cpu,
+    "tiny-cpu-sglang": _tiny_cpu_sglang,
     "tiny-cpu-ocr": _tiny_cpu_ocr,
     "sd35m-ocr": _sd35m_ocr,
     "tiny-cpu-nft": _tiny_cpu_nft,

@@ -36,8 +36,10 @@ GPU_IMAGE = ImageSpec(
     python_version=PYTHON,
     apt_packages=["libgl1", "libglib2.0-0", "build-essential"],
     pip_extra_index_url=["https://download.pytorch.org/whl/cu128"],
-    # sglang 0.5.23 pins torch 2.14.1; its diffusion runtime serves rollouts on the GPU.
-    packages=["torch==2.14.1", "torchvision==0.29.1", "sglang==0.5.23", "ray[default]>=2.40,<2.61"],
+    # sglang 0.5.23 pins torch 2.14.1; its diffusion runtime serves rollouts on the GPU. The
+    # [diffusion] extra brings what sglang.multimodal_gen imports (diffusers 0.37, inside our
+    # range); the SGLang engine then runs `sglang serve` with this image's own interpreter.
+    packages=["torch==2.14.1", "torchvision==0.29.1", "sglang[diffusion]==0.5.23", "ray[default]>=2.40,<2.61"],
     copy=["pyproject.toml", "README.md", "diffusionrl", "configs"],
     commands=["pip install --no-cache-dir ."],
     source_root=".",

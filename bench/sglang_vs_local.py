@@ -1,0 +1,115 @@
+"""The SGLang engine (a real ``sglang serve`` on this machine) vs the local engine on one batch.
+
+Same tiny model, LoRA policy, prompts, seeds, steps, CFG, size and SDE step set; each engine is
+timed over ``--repeats`` rollouts of the batch (medians). Also times one weight push (merged
+LoRA, by value, with checksum verification off) and measures our trainer's recompute of the
+server's log-probs on its own trajectories with a non-zero LoRA (fp32).
+
+Prints {"local_images_per_s": ..., "sglang_images_per_s": ..., "push_s": ...,
+"cross_engine_log_prob_mean_abs_diff": ...}. Needs the SGLang venv (`make sglang-env`).
+
+    python bench/sglang_vs_local.py [--images 16] [--steps 10] [--resolution 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import _common  # noqa: F401  (sets sys.path and offline env)
+import numpy as np
+import torch
+
+from diffusionrl.config import load_config
+from diffusionrl.models import load_adapter
+from diffusionrl.rollout.base import SamplingSpec
+from diffusionrl.rollout.local import LocalRolloutEngine
+from diffusionrl.rollout.sglang import SGLangRolloutEngine
+from diffusionrl.sampling import sde_step_mask
+from diffusionrl.training.policy import LoraPolicy
+from diffusionrl.training.trainer import FlowGRPOObjective
+
+
+def recompute_diff(cfg, policy, traj) -> float:
+    zeros = torch.zeros(traj.batch_size)
+    traj = traj.with_rewards(zeros, {}, zeros)
+    probe = {"open": True}
+    units = FlowGRPOObjective(cfg, policy).units(traj, traj.micro_batches(), torch.ones(traj.batch_size, dtype=torch.bool),
+                                                 np.random.default_rng(0), probe)
+    with torch.no_grad():
+        for unit in units:
+            unit.compute()
+    return probe["sum"] / probe["count"]
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--images", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--resolution", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    cfg = load_config("tiny-cpu-sglang", overrides=[
+        f"sampling.num_steps={args.steps}", f"sampling.resolution={args.resolution}",
+        f"train.group_size={args.group_size}", f"train.prompts_per_step={args.images // args.group_size}",
+        f"train.micro_batch_size={args.images}", "sampling.sglang_verify_weights=false",
+    ])
+    adapter = load_adapter(cfg.model)
+    policy = LoraPolicy(adapter, cfg.model, seed=0)
+    g = torch.Generator().manual_seed(1)  # a non-zero LoRA, as after some training
+    policy.load_lora_state({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in policy.lora_state().items()})
+    state = policy.lora_state()
+
+    groups = args.images // args.group_size
+    base = ["a red cat on the beach", "a blue car in the city", "a small house", "a golden cake on a table"]
+    prompts = [base[i % len(base)] for i in range(groups) for _ in range(args.group_size)]
+    group_ids = [i for i in range(groups) for _ in range(args.group_size)]
+    seeds = list(range(args.images))
+    sc = cfg.sampling
+    mask = np.repeat(sde_step_mask(sc.step_strategy, sc.num_steps, list(range(groups)), num_sde_steps=sc.num_sde_steps,
+                                   window_range=sc.window_range), args.group_size, axis=0)
+    spec = SamplingSpec.from_config(cfg)
+
+    local = LocalRolloutEngine(adapter, policy.engine_copy(), micro_batch_size=args.images)
+    local.update_weights(state, 1)
+    sglang = SGLangRolloutEngine.from_config(cfg, adapter, policy)
+    try:
+        t = time.perf_counter()
+        sglang.update_weights(state, 1)
+        push_s = time.perf_counter() - t
+        with torch.no_grad():
+            local_s = median_time(lambda: local.generate(prompts, group_ids, seeds, spec, mask), args.repeats)
+            sglang_s = median_time(lambda: sglang.generate(prompts, group_ids, seeds, spec, mask), args.repeats)
+        traj = sglang.generate(prompts, group_ids, seeds, spec, mask)
+        diff = recompute_diff(cfg, policy, traj)
+    finally:
+        sglang.close()
+    _common.emit({
+        "local_images_per_s": round(args.images / local_s, 3),
+        "sglang_images_per_s": round(args.images / sglang_s, 3),
+        "push_s": round(push_s, 4),
+        "cross_engine_log_prob_mean_abs_diff": diff,
+        "images": args.images,
+        "steps": args.steps,
+        "resolution": args.resolution,
+        "sde_pairs": int(mask.sum()),
+        "lora_tensors_pushed": len(sglang.layers),
+        "repeats": args.repeats,
+    })
+
+
+if __name__ == "__main__":
+    main()

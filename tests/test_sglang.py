@@ -1,0 +1,329 @@
+"""The SGLang rollout engine against a real SGLang diffusion server (CPU, fp32, tiny SD3).
+
+The server runs from the repo's ``.venv-sglang`` (``make sglang-env``, which ``make test`` runs
+first); these tests skip only when that environment is absent. One server is shared by the
+module; the two training runs launch their own (the engine owns its server).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from diffusionrl.config import ConfigError, load_config
+from diffusionrl.rollout.base import SamplingSpec
+from diffusionrl.rollout.sglang import (
+    SGLangRolloutEngine,
+    decode_tensors,
+    lora_layers,
+    merge_lora,
+    resolve_sglang_python,
+    sglang_available,
+)
+
+from .conftest import tiny_config
+
+requires_sglang = pytest.mark.skipif(
+    not sglang_available(), reason="no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)"
+)
+
+PROMPTS = ["a red cat on the beach", "a blue car in the city"]
+
+
+def spec(**kw) -> SamplingSpec:
+    base = {"resolution": 32, "num_steps": 4, "guidance_scale": 4.5, "sde_type": "sde", "noise_level": 0.7,
+            "max_sequence_length": 32}
+    base.update(kw)
+    return SamplingSpec(**base)
+
+
+def batch(k: int = 2, seed0: int = 100):
+    prompts = [p for p in PROMPTS for _ in range(k)]
+    groups = [g for g in range(len(PROMPTS)) for _ in range(k)]
+    seeds = list(range(seed0, seed0 + len(prompts)))
+    return prompts, groups, seeds
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """(cfg, adapter, policy, engine): a tiny LoRA policy and an SGLang engine serving it."""
+    if not sglang_available():
+        pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
+    from diffusionrl.models import load_adapter
+    from diffusionrl.training.policy import LoraPolicy
+
+    cfg = tiny_config(preset="tiny-cpu-sglang")
+    adapter = load_adapter(cfg.model)
+    policy = LoraPolicy(adapter, cfg.model, seed=0)
+    engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
+    try:
+        engine.update_weights(policy.lora_state(), 0)
+        yield cfg, adapter, policy, engine
+    finally:
+        engine.close()
+
+
+def perturbed(state: dict[str, torch.Tensor], scale: float = 0.05, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+# -- no server needed --------------------------------------------------------------------------------
+
+
+def test_preset_and_validation():
+    cfg = load_config("tiny-cpu-sglang")
+    assert cfg.sampling.engine == "sglang" and cfg.sampling.sglang_verify_weights
+    with pytest.raises(ConfigError, match="sglang_port"):
+        load_config("tiny-cpu-sglang", overrides=["sampling.sglang_port=70000"])
+    with pytest.raises(ConfigError, match="sglang_ipc_bucket_mb"):
+        load_config("tiny-cpu-sglang", overrides=["sampling.sglang_ipc_bucket_mb=0"])
+
+
+def test_interpreter_resolution(tmp_path, monkeypatch):
+    from diffusionrl.rollout.sglang import SGLangServerError
+
+    fake = tmp_path / "python"
+    fake.write_text("")
+    assert resolve_sglang_python(str(fake)) == str(fake)
+    monkeypatch.setenv("DIFFUSIONRL_SGLANG_PYTHON", str(fake))
+    assert resolve_sglang_python("") == str(fake)
+    with pytest.raises(SGLangServerError, match="not a file"):
+        resolve_sglang_python(str(tmp_path / "missing"))
+
+
+def test_free_port_pair():
+    import socket
+
+    from diffusionrl.rollout.sglang import free_port
+
+    port = free_port()
+    assert 20000 <= port < 32000  # below the ephemeral range that outgoing connections draw from
+    for p in (port, port + 1):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_merged_weights_equal_peft_merge(tiny_adapter):
+    """W0 + scale * B @ A is what peft itself merges into the layer."""
+    import copy
+
+    from diffusionrl.models import SD3Adapter
+    from diffusionrl.training.policy import LoraPolicy
+
+    cfg = tiny_config()
+    adapter = SD3Adapter(copy.deepcopy(tiny_adapter.pipe))
+    policy = LoraPolicy(adapter, cfg.model, seed=0)
+    policy.load_lora_state(perturbed(policy.lora_state()))
+    merged = dict(merge_lora(lora_layers(policy.model), policy.lora_state(), torch.float32))
+    policy.model.merge_adapter()
+    base = policy.model.get_base_model()
+    for name, value in merged.items():
+        module = base.get_submodule(name.removesuffix(".weight"))
+        torch.testing.assert_close(value, module.base_layer.weight, rtol=0, atol=1e-6)
+
+
+# -- against the server --------------------------------------------------------------------------------
+
+
+@requires_sglang
+def test_trajectory_shapes(stack):
+    _, adapter, _, engine = stack
+    prompts, groups, seeds = batch()
+    mask = np.zeros((4, 4), dtype=bool)
+    mask[0, [0, 1]] = mask[1, [1, 2]] = mask[2, [0, 2]] = mask[3, 0] = True  # per-sample step sets
+    traj = engine.generate(prompts, groups, seeds, spec(), mask, metadata=[{"i": i} for i in range(4)])
+    b, t = 4, 4
+    assert traj.latents.shape == (b, t + 1, 16, 4, 4) and traj.latents.dtype == torch.float32
+    assert traj.log_probs.shape == (b, t) and traj.sde_mask.shape == (b, t)
+    assert torch.equal(traj.sde_mask, torch.as_tensor(mask))
+    assert bool((traj.log_probs[~traj.sde_mask] == 0).all()) and bool((traj.log_probs[traj.sde_mask] != 0).all())
+    assert bool(torch.isfinite(traj.log_probs).all())
+    sigmas, timesteps = adapter.schedule(t)  # the server's schedule is the scheduler's own
+    torch.testing.assert_close(traj.sigmas, sigmas, rtol=0, atol=1e-7)
+    torch.testing.assert_close(traj.timesteps, timesteps, rtol=0, atol=1e-4)
+    c = traj.conditioning
+    assert c.prompt_embeds.shape[0] == b and c.prompt_embeds.shape[2] == 64 and c.pooled_embeds.shape == (b, 64)
+    assert c.negative_prompt_embeds.shape == c.prompt_embeds.shape
+    assert torch.equal(c.prompt_embeds[0], c.prompt_embeds[1]) and not torch.equal(c.prompt_embeds[0], c.prompt_embeds[2])
+    assert traj.images.shape == (b, 32, 32, 3) and traj.images.dtype == np.uint8
+    assert traj.policy_version == engine.version and traj.metadata[3] == {"i": 3}
+    assert traj.latents[:, 0].std() > 0.5  # x_0 is noise
+
+
+@requires_sglang
+def test_seeds_reproduce_and_differ(stack):
+    _, _, _, engine = stack
+    prompts, groups, seeds = batch()
+    a = engine.generate(prompts, groups, seeds, spec())
+    b = engine.generate(prompts, groups, seeds, spec())
+    c = engine.generate(prompts, groups, [s + 1000 for s in seeds], spec())
+    assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
+    assert np.array_equal(a.images, b.images)
+    for i in range(4):
+        assert not torch.equal(a.latents[i], c.latents[i])
+    # one prompt, different seeds: every sample of a group is its own trajectory
+    assert not torch.equal(a.latents[0], a.latents[1])
+
+
+@requires_sglang
+def test_several_outputs_per_request_do_not_collapse(stack):
+    """Upstream report: several outputs of one request may collapse to output 0's trajectory.
+    The engine never relies on it (one output per request); this records what 0.5.23 does."""
+    _, _, _, engine = stack
+    body = engine._request("a red cat", 7, [0, 1], spec())
+    body["num_outputs_per_prompt"] = 3
+    r = engine._post("/rollout/generate", json=body)
+    assert r.status_code == 200, r.text[:500]
+    items = decode_tensors(msgpack.unpackb(r.content, raw=False))
+    latents = [it["dit_trajectory"]["latents"] for it in items]
+    assert len(latents) == 3
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not torch.equal(latents[i][1:], latents[j][1:]), f"outputs {i} and {j} collapsed"
+
+
+def recompute_diff(cfg, policy, traj) -> tuple[float, int]:
+    """Mean |server log-prob - our trainer's recompute| over the trajectory's SDE steps."""
+    from diffusionrl.training.trainer import FlowGRPOObjective
+
+    zeros = torch.zeros(traj.batch_size)
+    traj = traj.with_rewards(zeros, {}, zeros)
+    probe = {"open": True}
+    units = FlowGRPOObjective(cfg, policy).units(traj, traj.micro_batches(), torch.ones(traj.batch_size, dtype=torch.bool),
+                                                 np.random.default_rng(0), probe)
+    with torch.no_grad():
+        for unit in units:
+            unit.compute()
+    return probe["sum"] / probe["count"], probe["count"]
+
+
+@requires_sglang
+def test_cross_engine_log_prob_exactness(stack):
+    """Our trainer's recompute of the server's log-probs on its own trajectories (fp32), with a
+    non-zero LoRA pushed as merged weights."""
+    cfg, _, policy, engine = stack
+    original = policy.lora_state()
+    policy.load_lora_state(perturbed(original))
+    try:
+        engine.update_weights(policy.lora_state(), 1)
+        prompts, groups, seeds = batch()
+        mask = np.zeros((4, 4), dtype=bool)
+        mask[:, :3] = True
+        traj = engine.generate(prompts, groups, seeds, spec(), mask)
+        diff, pairs = recompute_diff(cfg, policy, traj)
+        assert pairs == 12
+        assert diff <= 1e-5, f"log_prob_mean_abs_diff {diff:.3e}"
+        print(f"cross-engine log_prob_mean_abs_diff={diff:.3e} over {pairs} pairs")
+    finally:
+        policy.load_lora_state(original)
+        engine.update_weights(original, 0)
+
+
+@requires_sglang
+def test_weight_push_changes_outputs_and_restores(stack):
+    _, _, policy, engine = stack
+    original = policy.lora_state()
+    prompts, groups, seeds = batch()
+    before = engine.generate(prompts, groups, seeds, spec())
+    c0 = engine.server_checksum()
+    assert c0 == engine.expected_checksum()
+    engine.update_weights(perturbed(original, scale=0.2), 5)
+    assert engine.version == 5
+    c1 = engine.server_checksum()
+    assert c1 != c0 and c1 == engine.expected_checksum()
+    after = engine.generate(prompts, groups, seeds, spec())
+    assert after.policy_version == 5
+    assert not torch.equal(before.latents[:, 1:], after.latents[:, 1:])
+    assert not np.array_equal(before.images, after.images)
+    engine.update_weights(original, 6)
+    assert engine.server_checksum() == c0
+    again = engine.generate(prompts, groups, seeds, spec())
+    assert torch.equal(before.latents, again.latents) and torch.equal(before.log_probs, again.log_probs)
+
+
+# -- training with the SGLang engine ---------------------------------------------------------------
+
+
+# TINY_OVERRIDES (2 steps, 32 px, 4 denoising steps) with one group of 4 and one SDE step: SGLang's
+# SD3 conditions on 333 text tokens (local: 109), which makes the tiny model's update ~3x dearer;
+# no KL term (a third fewer forwards): the engine is under test here, not the objective.
+SGLANG_TRAIN = ["train.prompts_per_step=1", "sampling.num_sde_steps=1", "algorithm.kl_beta=0"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from diffusionrl.training.loop import train
+
+    if not sglang_available():
+        pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
+    cfg = tiny_config(*SGLANG_TRAIN, preset="tiny-cpu-sglang")
+    out = tmp_path_factory.mktemp("sglang-train")
+    return cfg, train(cfg, out, resume=None, progress=False)
+
+
+@requires_sglang
+def test_training_run_with_sglang_engine(trained):
+    _, result = trained
+    assert result.steps_done == 2 and len(result.metrics) == 2
+    for m in result.metrics:
+        assert math.isfinite(m["train/loss"])
+        assert m["train/log_prob_mean_abs_diff"] <= 1e-5
+        assert m["perf/update_weights_time"] > 0
+    assert [m["policy_version"] for m in result.metrics] == [1.0, 2.0]
+    assert (result.lora_dir / "adapter_model.safetensors").is_file()
+
+
+class KillServerMidRollout:
+    """After step 1, kill the server (SIGKILL, no cleanup) once step 2's rollout has started."""
+
+    def __init__(self):
+        self.killed_pid = None
+        self.engine = None
+
+    def on_step(self, loop, step, traj, metrics):
+        if step != 1:
+            return
+        engine = self.engine = loop.engine
+        start = engine.requests_sent
+        pid = engine.server.pid
+
+        def kill():
+            deadline = time.monotonic() + 60
+            while engine.requests_sent == start and time.monotonic() < deadline:
+                time.sleep(0.005)
+            os.kill(pid, signal.SIGKILL)
+            self.killed_pid = pid
+
+        threading.Thread(target=kill, daemon=True).start()
+
+
+@requires_sglang
+def test_server_killed_mid_run_is_survived(stack, trained, tmp_path, monkeypatch):
+    """Restart + retry: no step is lost and the run equals the uninterrupted one. (This run's
+    engine attaches to the module's server, which saves a server start.)"""
+    from diffusionrl.training import loop as loop_module
+
+    _, _, _, shared = stack
+    cfg, full = trained
+
+    def make_engine(cfg, adapter, policy, progress=False):
+        return SGLangRolloutEngine(adapter, policy.model, micro_batch_size=cfg.train.micro_batch_size,
+                                   verify_weights=True, server=shared.server)
+
+    monkeypatch.setattr(loop_module, "make_engine", make_engine)
+    killer = KillServerMidRollout()
+    result = loop_module.train(cfg, tmp_path / "killed", resume=None, progress=False, callbacks=[killer])
+    assert killer.killed_pid is not None and killer.engine.restarts == 1
+    assert result.steps_done == 2 and [m["step"] for m in result.metrics] == [1.0, 2.0]
+    for a, b in zip(full.metrics, result.metrics):
+        assert a["rollout/reward/raw_mean"] == b["rollout/reward/raw_mean"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6, abs=1e-9)
