@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup sglang-env demo test bench clean
+.PHONY: setup sglang-env demo test bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,13 @@ bench: setup $(SGLANG_ENV)
 	$(BIN)/python bench/rewards.py
 	$(BIN)/python bench/pipeline_overhead.py
 	$(BIN)/python bench/sglang_vs_local.py
+
+# On a GPU machine only (never in CI): CUDA IPC push, rollout images/s and train step time for an
+# SD3.5-medium-sized transformer; the JSON goes to bench/results/ with the date.
+bench-gpu: setup
+	@mkdir -p bench/results
+	@out=bench/results/gpu_scaleout-$$(date +%F).json; $(BIN)/python bench/gpu_scaleout.py > $$out.tmp || exit 1; \
+	cat $$out.tmp; if grep -q '"skipped"' $$out.tmp; then rm $$out.tmp; else mv $$out.tmp $$out; echo "-> $$out"; fi
 
 clean:
 	rm -rf runs .pytest_cache

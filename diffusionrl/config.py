@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,14 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "How many recent checkpoints to keep")
     log_images_every: int = _f(10, "Keep sample images every N steps (0 disables)")
     save_latents: bool = _f(True, "Store latents and conditioning in the trajectory Parquet (rebuildable Trajectory)")
+    world_size: int = _f(1, "Trainer ranks (one per GPU bundle); > 1 trains FSDP2-sharded across Ray actors (docs/scaling.md)")
+    placement: str = _f("colocate", "Ray layout when world_size > 1: colocate (trainer rank + rollout engine per GPU bundle) | split")
+    rollout_engines: int = _f(1, "Rollout engines when world_size > 1, held by ranks 0..n-1 (colocate: at most world_size)")
+    cpus_per_bundle: int = _f(1, "CPUs of each placement-group bundle (the trainer rank's and its engine's)")
+    engine_gpu_fraction: float = _f(0.5, "Colocate: share of each bundle's GPU reserved for the engine; the rank takes the rest")
+    memory_handoff: bool = _f(False, "Colocate on GPU: the engine releases its memory while the trainer trains and resumes before rollouts")
+    offload_optimizer: bool = _f(False, "Move the optimizer state to CPU while the engine samples (back before the update)")
+    deterministic: bool = _f(False, "Deterministic algorithms, cuBLAS workspace, deterministic attention backends in the trainer")
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "inner_epochs", "minibatches"):
@@ -239,6 +248,32 @@ class TrainConfig:
                 f"train: {n_micro} micro-batches per step cannot be split into minibatches={self.minibatches} "
                 "equal optimizer steps; pick a divisor of the micro-batch count"
             )
+        self._check_distributed(batch)
+
+    def _check_distributed(self, batch: int) -> None:
+        _positive("train", "world_size", self.world_size)
+        _positive("train", "rollout_engines", self.rollout_engines)
+        _positive("train", "cpus_per_bundle", self.cpus_per_bundle)
+        _choice("train", "placement", self.placement, ("colocate", "split"))
+        if not 0 < self.engine_gpu_fraction < 1:
+            raise ConfigError(f"train.engine_gpu_fraction={self.engine_gpu_fraction} must be in (0, 1)")
+        if self.world_size == 1:
+            return
+        if self.placement == "colocate" and self.rollout_engines > self.world_size:
+            raise ConfigError(
+                f"train.rollout_engines={self.rollout_engines} > world_size={self.world_size}: colocated engines "
+                f"live in the trainer bundles; use rollout_engines <= {self.world_size} or placement=split"
+            )
+        # Ranks and engines get whole blocks: a block is a whole number of groups and of micro-batches.
+        block = math.lcm(self.group_size, self.micro_batch_size)
+        blocks = batch // block if batch % block == 0 else 0
+        for name, n in (("world_size", self.world_size), ("rollout_engines", self.rollout_engines)):
+            if blocks == 0 or blocks % n:
+                raise ConfigError(
+                    f"train.{name}={n}: a step's {batch} samples must split into {n} equal shares of whole groups "
+                    f"and whole micro-batches (blocks of lcm(group_size, micro_batch_size) = {block}); "
+                    f"make prompts_per_step * group_size a multiple of {block * n}"
+                )
 
 
 @dataclass
@@ -510,6 +545,8 @@ def _sd35m_gpu() -> dict[str, Any]:
             "micro_batch_size": 8,
             "learning_rate": 3e-4,
             "mixed_precision": "fp16",
+            "memory_handoff": True,
+            "offload_optimizer": True,
             "ema": True,
             "ema_decay": 0.9,
             "checkpoint_every": 20,
@@ -529,7 +566,9 @@ def _sd35m_ocr() -> dict[str, Any]:
             "sampling": {"guidance_scale": 4.5, "noise_level": 0.7},
             "algorithm": {"clip_range": 1e-4, "kl_beta": 0.04, "adv_clip_max": 5.0, "global_std": True},
             "reward": {"weights": {"ocr": 1.0}, "num_actors": 8},
-            "train": {"prompts_per_step": 48, "group_size": 16, "minibatches": 2},
+            # The reference layout: 2 GPUs, each a trainer rank (FSDP2) + an SGLang engine (docs/scaling.md).
+            "train": {"prompts_per_step": 48, "group_size": 16, "minibatches": 2, "world_size": 2,
+                      "placement": "colocate", "rollout_engines": 2, "cpus_per_bundle": 4},
             "eval": {"guidance_scale": 4.5},
             "data": {"source": "builtin:ocr", "num_prompts": 20000, "test_fraction": 0.05},
             "tracking": {"registered_model": "sd35m-ocr"},

@@ -191,14 +191,23 @@ def _flyte_checkpoint():
         return None
 
 
+# The reference layout (sd35m-ocr: train.world_size=2, colocated): the head holds 2 GPU bundles of
+# 4 CPUs (a trainer rank + an SGLang engine each) plus the driver; `train-gpu` workers (2 GPUs
+# each) join when train.world_size grows past the head's GPUs; reward actors run on `reward-cpu`.
+# Several nodes need checkpoint_dir and the model folder on shared storage (docs/scaling.md).
+_GPU_NODE = Resources(cpu="10", mem="96Gi", gpu="2")
 RAY_CONFIG = RayJobConfig(
     head_node_config=HeadNodeConfig(
-        ray_start_params={"num-cpus": "8", "log-color": "False"},
-        requests=Resources(cpu="8", mem="64Gi", gpu="2"),
-        limits=Resources(cpu="8", mem="64Gi", gpu="2"),
+        ray_start_params={"num-cpus": "10", "num-gpus": "2", "log-color": "False"},
+        requests=_GPU_NODE,
+        limits=_GPU_NODE,
     ),
-    worker_node_config=[WorkerNodeConfig(group_name="reward-cpu", replicas=1, min_replicas=0, max_replicas=4,
-                                         requests=Resources(cpu="8", mem="16Gi"))],
+    worker_node_config=[
+        WorkerNodeConfig(group_name="train-gpu", replicas=0, min_replicas=0, max_replicas=4,
+                         requests=_GPU_NODE, limits=_GPU_NODE),
+        WorkerNodeConfig(group_name="reward-cpu", replicas=1, min_replicas=0, max_replicas=4,
+                         requests=Resources(cpu="8", mem="16Gi")),
+    ],
     shutdown_after_job_finishes=True,
     ttl_seconds_after_finished=600,
 )

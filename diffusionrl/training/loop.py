@@ -371,7 +371,10 @@ def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", 
           callbacks: list[Any] | None = None, progress: bool | None = None, prompts: PromptSet | None = None,
           model_path: str | None = None) -> TrainResult:
     """Build a loop for ``cfg`` and run it (the library entry point)."""
-    loop = RLLoop(cfg, out_dir, prompts=prompts, callbacks=callbacks, progress=progress, model_path=model_path)
+    loop_cls = RLLoop
+    if cfg.train.world_size > 1:  # the trainer as FSDP2 ranks in Ray actors (docs/scaling.md)
+        from diffusionrl.distributed.loop import DistributedRLLoop as loop_cls
+    loop = loop_cls(cfg, out_dir, prompts=prompts, callbacks=callbacks, progress=progress, model_path=model_path)
     try:
         return loop.run(resume=resume, stop_after=stop_after)
     finally:

@@ -1,0 +1,225 @@
+"""GPU scale-out benchmark (issue 7): an SD3.5-medium-sized transformer with random weights at
+512 px with LoRA r=32 (fp16 base, fp32 LoRA, fp16 autocast), measuring
+
+- ``ipc_push_s``: one weight push of the merged LoRA layers (``W0 + s * B @ A``, fp16) as CUDA IPC
+  handles of flattened per-dtype buckets to a consumer process on the same GPU, which rebuilds and
+  copies them (the colocated trainer -> engine path); ``by_value_push_s``: the fallback (CPU copy,
+  pickle, unpickle, copy back to the GPU);
+- ``rollout_images_per_s``: a local-engine-style denoising loop (10 steps, CFG 4.5, micro-batch 8,
+  transformer only: random-weight text encoders/VAE would only add constant cost), and SGLang's if
+  ``sglang`` is importable in this interpreter (else the reason it was skipped);
+- ``train_step_s``: one Flow-GRPO-style update unit (forward with CFG + backward + AdamW step) per
+  micro-batch of 8 at one denoising step, and the peak memory.
+
+Transformer config = SD3.5-medium's (stabilityai/stable-diffusion-3.5-medium transformer/config.json):
+24 layers, 24 heads x 64, joint_attention_dim 4096, caption_projection_dim 1536, pooled 2048,
+patch 2, pos_embed_max_size 384, sample_size 128, dual attention in layers 0-12, qk_norm rms_norm.
+
+Run: ``python bench/gpu_scaleout.py > bench/results/gpu_scaleout-$(date +%F).json`` on a GPU
+machine. Without a CUDA device it prints ``{"skipped": ...}`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+import time
+
+from _common import emit
+
+SD35M = dict(  # noqa: C408 - keyword form mirrors the model config
+    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)
+TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+           "attn.add_v_proj", "attn.to_add_out"]
+
+
+def build(torch, rank: int):
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = SD3Transformer2DModel(**SD35M).to(torch.float16)
+    model.requires_grad_(False)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in TARGETS)]
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=names)
+    peft = get_peft_model(model, cfg)
+    for n, p in peft.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # fp32 master LoRA
+    return peft
+
+
+def inputs(torch, batch: int, px: int):
+    h = px // 8
+    g = torch.Generator("cuda").manual_seed(1)
+    return (torch.randn(batch, 16, h, h, device="cuda", generator=g),
+            torch.randn(batch, 333, 4096, device="cuda", generator=g, dtype=torch.float16),
+            torch.randn(batch, 2048, device="cuda", generator=g, dtype=torch.float16))
+
+
+def velocity(torch, model, x, emb, pooled, t, cfg_scale=4.5):
+    xx = torch.cat([x, x]).half()
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(hidden_states=xx, timestep=torch.full((xx.shape[0],), float(t), device="cuda"),
+                    encoder_hidden_states=torch.cat([emb, emb]), pooled_projections=torch.cat([pooled, pooled]),
+                    return_dict=False)[0].float()
+    neg, pos = out.chunk(2)
+    return neg + cfg_scale * (pos - neg)
+
+
+def timed(torch, fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def bench_train(torch, model, batch, px, repeats):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-4)
+    scaler = torch.amp.GradScaler("cuda")
+    x, emb, pooled = inputs(torch, batch, px)
+
+    def step():
+        loss = velocity(torch, model, x, emb, pooled, 500.0).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    s = timed(torch, step, repeats)
+    return s, torch.cuda.max_memory_allocated() / 2**30, sum(p.numel() for p in params)
+
+
+
+def bench_rollout(torch, model, batch, px, steps):
+    x, emb, pooled = inputs(torch, batch, px)
+    sigmas = torch.linspace(1, 0, steps + 1)
+
+    def run():
+        with torch.no_grad():
+            z = x.clone()
+            for i in range(steps):
+                v = velocity(torch, model, z, emb, pooled, float(sigmas[i]) * 1000)
+                z = z + v * float(sigmas[i + 1] - sigmas[i])
+
+    s = timed(torch, run, 1)
+    return batch / s
+
+
+def merged_layers(torch, model):
+    from diffusionrl.rollout.sglang import lora_layers, merge_lora
+
+    layers = lora_layers(model)
+    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    return lambda: merge_lora(layers, state, torch.float16)
+
+
+def _consumer(q_in, q_out):
+    import torch
+
+    torch.cuda.set_device(0)
+    while True:
+        msg = q_in.get()
+        if msg is None:
+            return
+        kind, payload = msg
+        if kind == "ipc":
+            flat = payload["rebuild"][0](*payload["rebuild"][1])  # the producer's memory, no copy
+            dst = torch.empty_like(flat)
+            dst.copy_(flat)
+        else:
+            dst = pickle.loads(payload).cuda()
+        torch.cuda.synchronize()
+        q_out.put(int(dst.numel()))
+
+
+def bench_ipc(torch, merge, bucket_mb, repeats):
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from diffusionrl.rollout.sglang import buckets
+
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_consumer, args=(q_in, q_out), daemon=True)
+    proc.start()
+
+    def push(by_value: bool):
+        named = merge()
+        n = 0
+        for chunk in buckets(named, bucket_mb * 2**20, by_dtype=True):
+            flat = torch.cat([t.reshape(-1) for _, t in chunk])  # one flattened bucket per dtype
+            torch.cuda.synchronize()
+            if by_value:
+                q_in.put(("value", pickle.dumps(flat.cpu())))
+            else:
+                fn, args = reduce_tensor(flat)
+                q_in.put(("ipc", {"rebuild": (fn, args)}))
+            n += q_out.get()  # the bucket stays alive until the consumer copied it
+            del flat
+        return n
+
+    push(False)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        numel = push(False)
+    ipc = (time.perf_counter() - t0) / repeats
+    t0 = time.perf_counter()
+    push(True)
+    by_value = time.perf_counter() - t0
+    q_in.put(None)
+    proc.join(timeout=30)
+    return ipc, by_value, numel * 2 / 2**20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--resolution", type=int, default=512)
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        emit({"benchmark": "gpu_scaleout", "skipped": "no CUDA device: run this on a GPU machine "
+              "(python bench/gpu_scaleout.py > bench/results/gpu_scaleout-<date>.json)"})
+        return 0
+    out = {"benchmark": "gpu_scaleout", "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
+           "torch": torch.__version__, "resolution": args.resolution, "lora_rank": args.lora_rank,
+           "micro_batch": args.micro_batch, "transformer": "SD3.5-medium config, random weights, fp16"}
+    model = build(torch, args.lora_rank)
+    out["transformer_params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
+    out["rollout_images_per_s_local"] = bench_rollout(torch, model, args.micro_batch, args.resolution, args.steps)
+    try:
+        import sglang  # noqa: F401
+
+        out["rollout_images_per_s_sglang"] = None
+        out["sglang_note"] = "importable; serving a random-weight SD3.5-M needs a saved pipeline folder: see bench/sglang_vs_local.py"
+    except ImportError:
+        out["rollout_images_per_s_sglang"] = None
+        out["sglang_note"] = "sglang not importable in this interpreter (it lives in .venv-sglang)"
+    step_s, peak_gib, lora_params = bench_train(torch, model, args.micro_batch, args.resolution, args.repeats)
+    out.update(train_step_s=step_s, train_peak_mem_gib=peak_gib, lora_params_m=lora_params / 1e6)
+    ipc_s, value_s, mib = bench_ipc(torch, merged_layers(torch, model), args.bucket_mb, args.repeats)
+    out.update(ipc_push_s=ipc_s, by_value_push_s=value_s, pushed_mib=mib, bucket_mb=args.bucket_mb)
+    emit(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
