@@ -10,12 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
-from flytekit import Cache, Deck, Resources, current_context, task
+from flytekit import Cache, Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
@@ -23,7 +22,14 @@ from diffusionrl.bdlm.config import BDLMConfig, TaskConfig
 from diffusionrl.config import apply_overrides
 from diffusionrl.tracking import TrackingRun
 from images import CPU_IMAGE
-from tasks.pipeline import DatasetDigests, RegisteredVersion, _execution, _finish_quietly, _flyte_checkpoint
+from tasks.pipeline import (
+    DatasetDigests,
+    RegisteredVersion,
+    _execution,
+    _finish_quietly,
+    _flyte_checkpoint,
+    publish_report,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,10 +245,7 @@ def register_bdlm(config: BDLMConfig, run: TrackingRun, model: FlyteDirectory, t
 
     reg = registry.register(run, config, info, eval_summary["eval/reward_mean"], bdlm_eval_key(config, test_digest),
                             lineage, rescore=rescore)
-    tracking.set_tags(run, {"registered_model": reg.name, "registered_version": reg.version,
-                            "registry_decision": reg.decision})
-    return RegisteredVersion(reg.name, reg.version, reg.aliases, reg.promoted, reg.decision, reg.score,
-                             reg.champion_version, reg.model_uri, reg.version_url, reg.run_url)
+    return RegisteredVersion.record(run, reg)
 
 
 @task(container_image=CPU_IMAGE, enable_deck=True)
@@ -257,9 +260,7 @@ def report_bdlm(config: BDLMConfig, run: TrackingRun, metrics: pd.DataFrame, eva
     where = tracking.log_folder_or_link(run, run.run_id, traces.download(), "traces", traces_path,
                                         config.tracking.max_artifact_mb)
     artifacts = {
-        "registered model": f"{registered.name} v{registered.version} ({', '.join(registered.aliases)}): "
-                            f"{registered.decision} -> {registered.version_url}",
-        "MLflow run": registered.run_url,
+        **registered.links(),
         "policy (bdlm_model.json + weights)": model.remote_source or model.path,
         "traces (Parquet, one file per step)": traces_path,
         "traces in MLflow": where,
@@ -267,12 +268,4 @@ def report_bdlm(config: BDLMConfig, run: TrackingRun, metrics: pd.DataFrame, eva
     }
     page = build_report(config=config.to_dict(), metrics=metrics, eval_table=eval_table, eval_summary=eval_summary,
                         grid=None, artifacts=artifacts, title="diffusionrl block-diffusion LM report")
-    Deck("Report", page)
-    out = Path(tempfile.mkdtemp(dir=current_context().working_directory)) / "report.html"
-    out.write_text(page)
-    if Path(run_dir).is_dir():
-        (Path(run_dir) / "report.html").write_text(page)
-    client = tracking.client(run.uri)
-    client.log_artifact(run.run_id, str(out))
-    tracking.finish(run)
-    return FlyteFile(str(out))
+    return publish_report(run, page, run_dir)

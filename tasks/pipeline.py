@@ -326,6 +326,37 @@ class RegisteredVersion:
     version_url: str
     run_url: str
 
+    @classmethod
+    def record(cls, run: TrackingRun, reg) -> "RegisteredVersion":
+        """A ``registry.Registration`` as a task output, also tagged on the workflow run."""
+        from diffusionrl import tracking
+
+        tracking.set_tags(run, {"registered_model": reg.name, "registered_version": reg.version,
+                                "registry_decision": reg.decision})
+        return cls(reg.name, reg.version, reg.aliases, reg.promoted, reg.decision, reg.score, reg.champion_version,
+                   reg.model_uri, reg.version_url, reg.run_url)
+
+    def links(self) -> dict[str, str]:
+        """The report's lines about the registry and the MLflow run."""
+        return {"registered model": f"{self.name} v{self.version} ({', '.join(self.aliases)}): {self.decision} "
+                                    f"-> {self.version_url}",
+                "MLflow run": self.run_url}
+
+
+def publish_report(run: TrackingRun, page: str, run_dir: str) -> FlyteFile:
+    """The report as the task's Deck, a file output, a copy in the run folder (local runs) and an
+    artifact of the MLflow run, which is then closed."""
+    from diffusionrl import tracking
+
+    Deck("Report", page)
+    out = Path(tempfile.mkdtemp(dir=current_context().working_directory)) / "report.html"
+    out.write_text(page)
+    if Path(run_dir).is_dir():
+        (Path(run_dir) / "report.html").write_text(page)
+    tracking.client(run.uri).log_artifact(run.run_id, str(out))
+    tracking.finish(run)
+    return FlyteFile(str(out))
+
 
 @task(container_image=GPU_IMAGE, requests=Resources(cpu="4", mem="32Gi", gpu="1"))
 def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: FlyteDirectory, model_digest: str,
@@ -354,10 +385,7 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
 
     key = registry.eval_key(config, test_digest, model_digest)
     reg = registry.register(run, config, info, eval_summary["eval/reward_mean"], key, lineage, rescore=rescore)
-    tracking.set_tags(run, {"registered_model": reg.name, "registered_version": reg.version,
-                            "registry_decision": reg.decision})
-    return RegisteredVersion(reg.name, reg.version, reg.aliases, reg.promoted, reg.decision, reg.score,
-                             reg.champion_version, reg.model_uri, reg.version_url, reg.run_url)
+    return RegisteredVersion.record(run, reg)
 
 
 # -- report -------------------------------------------------------------------------------------------------
@@ -378,9 +406,7 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
     traj_where = tracking.log_folder_or_link(run, run.run_id, trajectories.download(), "trajectories", traj_path,
                                              config.tracking.max_artifact_mb)
     artifacts = {
-        "registered model": f"{registered.name} v{registered.version} ({', '.join(registered.aliases)}): "
-                            f"{registered.decision} -> {registered.version_url}",
-        "MLflow run": registered.run_url,
+        **registered.links(),
         "LoRA (peft adapter)": lora.remote_source or lora.path,
         "trajectories (Parquet, one file per step)": traj_path,
         "trajectories in MLflow": traj_where,
@@ -390,17 +416,10 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
     }
     page = build_report(config=config.to_dict(), metrics=metrics, eval_table=eval_table, eval_summary=eval_summary,
                         grid=np.asarray(Image.open(grid.download()).convert("RGB")), artifacts=artifacts)
-    Deck("Report", page)
-    out = Path(tempfile.mkdtemp(dir=current_context().working_directory)) / "report.html"
-    out.write_text(page)
-    if Path(run_dir).is_dir():  # local runs: keep a copy next to the LoRA and trajectories
-        (Path(run_dir) / "report.html").write_text(page)
     client = tracking.client(run.uri)
-    client.log_artifact(run.run_id, str(out))
     if len(metrics):
         last = metrics.iloc[-1]
         for key in ("rollout/reward/raw_mean", "train/loss", "perf/step_time"):
             if key in last and pd.notna(last[key]):
                 client.log_metric(run.run_id, f"final/{key}", float(last[key]))
-    tracking.finish(run)
-    return FlyteFile(str(out))
+    return publish_report(run, page, run_dir)

@@ -31,8 +31,6 @@ from diffusionrl.training.checkpoint import (
     CheckpointState,
     check_metadata,
     load_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
 )
 from diffusionrl.training.loop import RLLoop, _read_metrics, prompt_validator
 
@@ -152,12 +150,7 @@ class DistributedRLLoop(RLLoop):
             tensors=tensors,
             extra={"data_cursor": self.cursor, "config_digest": self.cfg.digest(), "world_size": self.cfg.train.world_size},
         )
-        path = save_checkpoint(self.ckpt_dir / f"step-{self.step:06d}", state)
-        prune_checkpoints(self.ckpt_dir, self.cfg.train.keep_checkpoints)
-        for cb in self.callbacks:
-            if hasattr(cb, "on_checkpoint"):
-                cb.on_checkpoint(self, path)
-        return path
+        return self.write_checkpoint(state)
 
     def restore(self, path: str | Path) -> None:
         """Resume (also from a single-process checkpoint: the formats are the same)."""

@@ -99,26 +99,10 @@ class DistributedTrainer(Trainer):
             return False
         self.scaler.unscale_(self.optimizer)  # found-inf is MAX-reduced over ranks inside
         params = self.policy.parameters()
-        norm = global_grad_norm(params)
-        grad_norm = float(norm)
-        if not math.isfinite(grad_norm):
-            log.warning("non-finite gradient norm: optimizer step skipped on every rank")
-            if self.scaler.is_enabled():
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            stats.skipped += 1
-            return False
-        if self.cfg.train.max_grad_norm:
+        norm = global_grad_norm(params)  # the same on every rank, so every rank skips or steps together
+        if self.cfg.train.max_grad_norm and math.isfinite(float(norm)):
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.train.max_grad_norm, norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        stats.grad_norms.append(grad_norm)
-        stats.steps += 1
-        if self.ema is not None:
-            self.ema.update(self.policy.params)
-        return True
+        return self.step_optimizer(float(norm), stats)
 
 
 class TrainerRank:

@@ -236,6 +236,10 @@ class RLLoop:
             tensors=tensors,
             extra={"data_cursor": self.cursor, "config_digest": self.cfg.digest()},
         )
+        return self.write_checkpoint(state)
+
+    def write_checkpoint(self, state: CheckpointState) -> Path:
+        """Save ``state`` as this step's checkpoint, prune old ones, tell the callbacks."""
         path = save_checkpoint(self.ckpt_dir / f"step-{self.step:06d}", state)
         prune_checkpoints(self.ckpt_dir, self.cfg.train.keep_checkpoints)
         for cb in self.callbacks:

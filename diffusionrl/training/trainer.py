@@ -105,6 +105,11 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.train.max_grad_norm or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+        return self.step_optimizer(grad_norm, stats)
+
+    def step_optimizer(self, grad_norm: float, stats: UpdateStats) -> bool:
+        """After unscaling and clipping: one optimizer (and EMA) step, or a counted skip when the
+        gradient norm is not finite (the scaler still sees the inf and lowers its scale)."""
         if not math.isfinite(grad_norm):
             log.warning("non-finite gradient norm: optimizer step skipped")
             if self.scaler.is_enabled():
