@@ -290,22 +290,26 @@ def log_prompt_datasets(run: TrackingRun, stage_id: str, splits: dict[str, pd.Da
     return digests
 
 
-def folder_size_mb(folder: str | Path) -> float:
-    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file()) / 2**20
+def folder_size_mb(uri: str | Path) -> float:
+    """Total size of a local folder or an object-store prefix (fsspec), without downloading it."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(str(uri))
+    return fs.du(path, total=True) / 2**20
 
 
-def log_folder_or_link(run: TrackingRun, run_id: str, folder: str | Path, artifact_path: str, link: str,
+def log_folder_or_link(run: TrackingRun, run_id: str, uri: str, fetch: Callable[[], str], artifact_path: str,
                        max_mb: float) -> str:
-    """Copy ``folder`` into the run's artifacts when small enough, else record ``link`` as a tag.
-    Returns where it can be found."""
-    size = folder_size_mb(folder)
+    """Copy the folder at ``uri`` into the run's artifacts when it is small enough (``fetch()``
+    gives a local copy), else record ``uri`` as a tag. Returns where it can be found."""
+    size = folder_size_mb(uri)
     c = client(run.uri)
     if size <= max_mb:
-        c.log_artifacts(run_id, str(folder), artifact_path)
+        c.log_artifacts(run_id, fetch(), artifact_path)
         c.set_tag(run_id, f"artifact.{artifact_path}", f"artifacts/{artifact_path} ({size:.1f} MB)")
         return f"{c.get_run(run_id).info.artifact_uri}/{artifact_path}"
-    c.set_tag(run_id, f"artifact.{artifact_path}", f"{link} ({size:.1f} MB, over tracking.max_artifact_mb={max_mb})")
-    return link
+    c.set_tag(run_id, f"artifact.{artifact_path}", f"{uri} ({size:.1f} MB, over tracking.max_artifact_mb={max_mb})")
+    return str(uri)
 
 
 def image_row(images: np.ndarray, max_images: int = 8) -> np.ndarray:

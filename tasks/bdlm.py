@@ -257,7 +257,7 @@ def report_bdlm(config: BDLMConfig, run: TrackingRun, metrics: pd.DataFrame, eva
     from diffusionrl.report import build_report
 
     traces_path = traces.remote_source or traces.path
-    where = tracking.log_folder_or_link(run, run.run_id, traces.download(), "traces", traces_path,
+    where = tracking.log_folder_or_link(run, run.run_id, traces_path, traces.download, "traces",
                                         config.tracking.max_artifact_mb)
     artifacts = {
         **registered.links(),

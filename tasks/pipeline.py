@@ -403,7 +403,7 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
     from diffusionrl.report import build_report
 
     traj_path = trajectories.remote_source or trajectories.path
-    traj_where = tracking.log_folder_or_link(run, run.run_id, trajectories.download(), "trajectories", traj_path,
+    traj_where = tracking.log_folder_or_link(run, run.run_id, traj_path, trajectories.download, "trajectories",
                                              config.tracking.max_artifact_mb)
     artifacts = {
         **registered.links(),
