@@ -28,6 +28,7 @@ from tasks.pipeline import (
     _execution,
     _finish_quietly,
     _flyte_checkpoint,
+    _open_train_run,
     publish_report,
 )
 
@@ -152,9 +153,7 @@ def train_bdlm(config: BDLMConfig, run: TrackingRun, init_model: FlyteDirectory,
             if cp is not None:
                 cp.save(path)
 
-    tracking.configure_http()
-    stage = tracking.stage_run(run, "train")
-    tracking.client(run.uri).set_tag(stage, "run_dir", str(out))
+    stage = _open_train_run(run, out, config.tracking.log_retries)
     logger = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
     result = train_grpo(config, out, init_model.download(), resume=resume, callbacks=[SaveToFlyte(), logger])
     _finish_quietly(run, stage)

@@ -239,9 +239,7 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     hooks = _FlyteHooks(run_dir / "trajectories", run.execution_id, latents=config.train.save_latents,
                         flyte_checkpoint=cp, fault_after=int(fault) if fault else None)
     prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
-    tracking.configure_http()
-    stage = tracking.stage_run(run, "train")
-    tracking.client(run.uri).set_tag(stage, "run_dir", str(run_dir))
+    stage = _open_train_run(run, run_dir, config.tracking.log_retries)
     metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
                                        attempts=config.tracking.log_retries)
     try:
@@ -265,6 +263,24 @@ def _execution_id() -> str:
         return f"{eid.project}-{eid.domain}-{eid.name}"
     except Exception:  # noqa: BLE001 - outside an execution
         return "local"
+
+
+def _open_train_run(run: TrackingRun, run_dir: Path, attempts: int) -> str:
+    """The ``train`` stage run, retried; a store still down is a retryable task failure (nothing
+    is lost: the retried attempt resumes from the last checkpoint)."""
+    from diffusionrl import tracking
+
+    tracking.configure_http()
+
+    def open_run() -> str:
+        stage = tracking.stage_run(run, "train")
+        tracking.client(run.uri).set_tag(stage, "run_dir", str(run_dir))
+        return stage
+
+    try:
+        return tracking.with_retries(open_run, attempts, "opening the MLflow train run")
+    except Exception as exc:  # noqa: BLE001
+        raise FlyteRecoverableException(f"MLflow store {run.uri} unreachable before training: {exc}") from exc
 
 
 def _finish_quietly(run: TrackingRun, stage: str) -> None:
