@@ -220,6 +220,27 @@ def finish(run: TrackingRun, run_id: str | None = None, status: str = "FINISHED"
     client(run.uri).set_terminated(run_id or run.run_id, status=status)
 
 
+def fail_open_runs(uri: str, experiment: str, execution_id: str, message: str) -> int:
+    """Mark the runs of a failed execution that are still RUNNING (the workflow run and its
+    stage runs) as FAILED, with the error as a tag. Best effort: returns how many were closed,
+    0 when the store cannot be reached (this runs while an error is already being raised)."""
+    try:
+        preflight(uri, timeout_s=5)
+        c = client(uri)
+        exp = c.get_experiment_by_name(experiment)
+        if exp is None:
+            return 0
+        runs = c.search_runs([exp.experiment_id], filter_string=f"tags.flyte_execution_id = '{execution_id}' "
+                             "and attributes.status = 'RUNNING'")
+        for r in runs:
+            c.set_tag(r.info.run_id, "failure", message[:5000])
+            c.set_terminated(r.info.run_id, status="FAILED")
+        return len(runs)
+    except Exception as exc:  # noqa: BLE001 - never mask the workflow's own error
+        log.warning("could not mark the MLflow runs of %s as failed: %s", execution_id, exc)
+        return 0
+
+
 # -- datasets and artifacts ------------------------------------------------------------------------
 
 

@@ -11,11 +11,12 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import pandas as pd
 from flytekit import Cache, Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
+from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
 
 from diffusionrl.bdlm.config import BDLMConfig, TaskConfig
@@ -29,6 +30,7 @@ from tasks.pipeline import (
     _finish_quietly,
     _flyte_checkpoint,
     _open_train_run,
+    close_failed_runs,
     publish_report,
 )
 
@@ -40,6 +42,17 @@ DIGITS_CACHE = Cache(version="digits-v1")
 @task(container_image=CPU_IMAGE)
 def resolve_bdlm_config(config: BDLMConfig, overrides: list[str]) -> BDLMConfig:
     return BDLMConfig.from_dict(apply_overrides(config.to_dict(), overrides))
+
+
+@task(container_image=CPU_IMAGE)
+def on_bdlm_failure(config: BDLMConfig, overrides: list[str], checkpoint_dir: str,
+                    err: Optional[FlyteError] = None) -> None:
+    """Failure handler of ``bdlm``: the MLflow runs it left open are marked FAILED."""
+    try:
+        cfg = BDLMConfig.from_dict(apply_overrides(config.to_dict(), overrides))
+    except Exception:  # noqa: BLE001 - the overrides themselves may be what failed
+        cfg = config
+    close_failed_runs(cfg.tracking, err)
 
 
 @task(container_image=CPU_IMAGE)

@@ -15,11 +15,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import pandas as pd
 from flytekit import Cache, Deck, Resources, current_context, task
 from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit.types.error import FlyteError
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
@@ -51,12 +52,19 @@ def resolve_config(config: Config, overrides: list[str]) -> Config:
 # -- tracking -------------------------------------------------------------------------------------------
 
 
-def _execution() -> dict[str, str]:
-    """Flyte's ids for this execution; a local execution gets a unique ``local-<time>-<hex>`` id."""
+# Local executions all report the id "local": a process gets its own id instead, so that a failure
+# handler finds its execution's runs (local executions of one process run one after another).
+_LOCAL_EXECUTION_ID = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def tracking_execution_id() -> str:
     eid = _execution_id()
-    if eid.startswith("local"):
-        eid = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    out = {"flyte_execution_id": eid, "workflow_version": os.environ.get("FLYTE_INTERNAL_TASK_VERSION", "local")}
+    return _LOCAL_EXECUTION_ID if eid.startswith("local") else eid
+
+
+def _execution() -> dict[str, str]:
+    """Flyte's ids for this execution (see ``tracking_execution_id``)."""
+    out = {"flyte_execution_id": tracking_execution_id(), "workflow_version": os.environ.get("FLYTE_INTERNAL_TASK_VERSION", "local")}
     try:
         eid = current_context().execution_id
         out.update({"flyte_project": eid.project, "flyte_domain": eid.domain})
@@ -74,6 +82,26 @@ def start_run(config: Config) -> TrackingRun:
     from diffusionrl.tracking import start_workflow_run
 
     return start_workflow_run(config, _execution())
+
+
+def close_failed_runs(tracking_cfg, err: FlyteError | None) -> None:
+    """Body of the workflows' failure handlers: this execution's open MLflow runs -> FAILED."""
+    from diffusionrl import tracking
+
+    message = err.message if err is not None else "workflow failed"
+    n = tracking.fail_open_runs(tracking.resolve_uri(tracking_cfg.uri), tracking_cfg.experiment,
+                                tracking_execution_id(), message)
+    log.info("marked %d MLflow runs of %s as FAILED", n, tracking_execution_id())
+
+
+@task(container_image=CPU_IMAGE)
+def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, err: Optional[FlyteError] = None) -> None:
+    """Failure handler of ``grpo``: the MLflow runs it left open are marked FAILED."""
+    try:
+        cfg = Config.from_dict(apply_overrides(config.to_dict(), overrides))
+    except Exception:  # noqa: BLE001 - the overrides themselves may be what failed
+        cfg = config
+    close_failed_runs(cfg.tracking, err)
 
 
 class DatasetDigests(NamedTuple):

@@ -10,6 +10,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
+from mlflow import MlflowClient
 from safetensors.torch import load_file
 
 from diffusionrl.trajectory_store import BASE_COLUMNS, read_trajectories
@@ -125,6 +126,13 @@ def test_killed_train_resumes_at_step_k_and_matches_uninterrupted(grpo, run, tmp
     with pytest.raises(Exception, match="injected fault after 1 steps"):
         grpo(overrides=SMALL, checkpoint_dir=str(ckpt))
     assert (ckpt / "checkpoints" / "step-000001" / "state.json").is_file()
+    # the failure handler closed the execution's MLflow runs (workflow + stage runs) as FAILED
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("diffusionrl").experiment_id
+    failed = [r for r in client.search_runs([exp], "attributes.status = 'FAILED'")
+              if "injected fault" in r.data.tags.get("failure", "")]
+    assert {r.data.tags["diffusionrl.stage"] for r in failed} >= {"workflow", "train"}
+    assert not client.search_runs([exp], "attributes.status = 'RUNNING'")
     monkeypatch.delenv("DIFFUSIONRL_FAULT_AFTER_STEPS")
     resumed = grpo(overrides=SMALL, checkpoint_dir=str(ckpt))
     steps = [json.loads(x)["step"] for x in (ckpt / "metrics.jsonl").read_text().splitlines()]

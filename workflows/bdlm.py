@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks`, `images
 from diffusionrl.bdlm import BDLMConfig, load_bdlm_config  # noqa: E402
 from tasks.bdlm import (  # noqa: E402
     evaluate_bdlm,
+    on_bdlm_failure,
     prepare_digits,
     register_bdlm,
     report_bdlm,
@@ -51,7 +52,7 @@ class BDLMOutputs(NamedTuple):
     registered: RegisteredVersion
 
 
-@workflow
+@workflow(on_failure=on_bdlm_failure)  # marks the execution's open MLflow runs FAILED
 def bdlm(config: BDLMConfig = DEFAULT_BDLM_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "") -> BDLMOutputs:  # noqa: B006
     cfg = resolve_bdlm_config(config=config, overrides=overrides)
     run = start_bdlm_run(config=cfg)  # MLflow preflight first

@@ -34,6 +34,7 @@ from tasks.pipeline import (  # noqa: E402
     RegisteredVersion,
     evaluate,
     fetch_checkpoint,
+    on_grpo_failure,
     prepare_prompts,
     register,
     report,
@@ -56,7 +57,7 @@ class GRPOOutputs(NamedTuple):
     registered: RegisteredVersion
 
 
-@workflow
+@workflow(on_failure=on_grpo_failure)  # marks the execution's open MLflow runs FAILED
 def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "") -> GRPOOutputs:  # noqa: B006
     cfg = resolve_config(config=config, overrides=overrides)
     run = start_run(config=cfg)  # MLflow preflight: fails before any data or weights are fetched
