@@ -313,8 +313,40 @@ class TrackingConfig:
             raise ConfigError("tracking.registered_model is empty: name the registry entry, e.g. 'tiny-sd3-jpeg'")
 
 
+class ConfigTree:
+    """What a config tree (this ``Config``, ``diffusionrl.bdlm.BDLMConfig``) does with its sections:
+    dict round trip with unknown-key checks, dotted flattening, a content digest."""
+
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """Field name -> dataclass of each section."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> values, for MLflow params and logs."""
+        out: dict[str, Any] = {}
+        for section, values in self.to_dict().items():
+            if isinstance(values, dict):
+                out.update({f"{section}.{k}": v for k, v in values.items()})
+            else:
+                out[section] = values
+        return out
+
+    def digest(self) -> str:
+        """Content digest of the config (sha256 of its canonical JSON), 16 hex chars."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "config"):
+        return _build(cls, data, where, cls.sections())
+
+
 @dataclass
-class Config:
+class Config(ConfigTree):
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -344,29 +376,9 @@ class Config:
                 f"train.mixed_precision={self.train.mixed_precision} needs a GPU; set it to 'no' on CPU"
             )
 
-    # -- conversions -------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def flat(self) -> dict[str, Any]:
-        """Dotted keys -> values, for MLflow params and logs."""
-        out: dict[str, Any] = {}
-        for section, values in self.to_dict().items():
-            if isinstance(values, dict):
-                for k, v in values.items():
-                    out[f"{section}.{k}"] = v
-            else:
-                out[section] = values
-        return out
-
-    def digest(self) -> str:
-        """Content digest of the config (sha256 of its canonical JSON), 16 hex chars."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "config") -> "Config":
-        return _build(cls, data, where)
+    def sections(cls) -> dict[str, type]:
+        return _section_classes()
 
 
 def _section_classes() -> dict[str, type]:
@@ -388,13 +400,14 @@ def _unknown(key: str, known: list[str], where: str) -> ConfigError:
     return ConfigError(f"unknown key {key!r} in {where}{suggestion}")
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+def _build(cls: type, data: dict[str, Any], where: str, sections: dict[str, type] | None = None) -> Any:
+    """``cls(**data)`` with unknown keys rejected and leaves coerced; ``sections`` are built recursively."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
     known = [f.name for f in fields(cls)]
     types = {f.name: f.type for f in fields(cls)}
     kwargs: dict[str, Any] = {}
-    sections = _section_classes() if cls is Config else {}
+    sections = sections or {}
     for key, value in data.items():
         if key not in known:
             raise _unknown(key, known, where)

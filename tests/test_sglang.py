@@ -28,6 +28,7 @@ from diffusionrl.rollout.sglang import (
     resolve_sglang_python,
     sglang_available,
 )
+from diffusionrl.training.trainer import FlowGRPOObjective
 
 from .conftest import tiny_config
 
@@ -191,21 +192,6 @@ def test_several_outputs_per_request_do_not_collapse(stack):
             assert not torch.equal(latents[i][1:], latents[j][1:]), f"outputs {i} and {j} collapsed"
 
 
-def recompute_diff(cfg, policy, traj) -> tuple[float, int]:
-    """Mean |server log-prob - our trainer's recompute| over the trajectory's SDE steps."""
-    from diffusionrl.training.trainer import FlowGRPOObjective
-
-    zeros = torch.zeros(traj.batch_size)
-    traj = traj.with_rewards(zeros, {}, zeros)
-    probe = {"open": True}
-    units = FlowGRPOObjective(cfg, policy).units(traj, traj.micro_batches(), torch.ones(traj.batch_size, dtype=torch.bool),
-                                                 np.random.default_rng(0), probe)
-    with torch.no_grad():
-        for unit in units:
-            unit.compute()
-    return probe["sum"] / probe["count"], probe["count"]
-
-
 @requires_sglang
 def test_cross_engine_log_prob_exactness(stack):
     """Our trainer's recompute of the server's log-probs on its own trajectories (fp32), with a
@@ -219,7 +205,7 @@ def test_cross_engine_log_prob_exactness(stack):
         mask = np.zeros((4, 4), dtype=bool)
         mask[:, :3] = True
         traj = engine.generate(prompts, groups, seeds, spec(), mask)
-        diff, pairs = recompute_diff(cfg, policy, traj)
+        diff, pairs = FlowGRPOObjective(cfg, policy).recompute_log_prob_diff(traj)
         assert pairs == 12
         assert diff <= 1e-5, f"log_prob_mean_abs_diff {diff:.3e}"
         print(f"cross-engine log_prob_mean_abs_diff={diff:.3e} over {pairs} pairs")

@@ -9,22 +9,18 @@ change, and the tree stays plain so that it travels as a Flyte dataclass input.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import difflib
-import hashlib
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from diffusionrl.config import (
-    TrackingConfig,
     ConfigError,
+    ConfigTree,
+    TrackingConfig,
     _choice,
-    _coerce,
     _f,
+    _merge,
     _positive,
-    _unknown,
     apply_overrides,
 )
 
@@ -172,7 +168,7 @@ SECTIONS: dict[str, type] = {
 
 
 @dataclass
-class BDLMConfig:
+class BDLMConfig(ConfigTree):
     model: BDLMModelConfig = field(default_factory=BDLMModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -199,43 +195,13 @@ class BDLMConfig:
     def canvas_length(self) -> int:
         return self.task.prompt_length + self.model.gen_length
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def flat(self) -> dict[str, Any]:
-        """Dotted keys -> values, for MLflow params and logs."""
-        out: dict[str, Any] = {}
-        for section, values in self.to_dict().items():
-            if isinstance(values, dict):
-                out.update({f"{section}.{k}": v for k, v in values.items()})
-            else:
-                out[section] = values
-        return out
-
-    def digest(self) -> str:
-        """Content digest of the config (sha256 of its canonical JSON), 16 hex chars."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        return SECTIONS
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "bdlm config") -> BDLMConfig:
-        return _build(cls, data, where)
-
-
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
-    known = [f.name for f in fields(cls)]
-    types = {f.name: f.type for f in fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in known:
-            raise _unknown(key, known, where)
-        if cls is BDLMConfig and key in SECTIONS:
-            kwargs[key] = _build(SECTIONS[key], value, f"{where}.{key}")
-        else:
-            kwargs[key] = _coerce(value, types[key], f"{where}.{key}")
-    return cls(**kwargs)
+        return super().from_dict(data, where)
 
 
 def _tiny_bdlm() -> dict[str, Any]:
@@ -251,15 +217,6 @@ def _tiny_bdlm() -> dict[str, Any]:
 PRESETS = {"tiny-bdlm": _tiny_bdlm}
 
 
-def _overlay(base: dict[str, Any], update: dict[str, Any], where: str) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in update.items():
-        if key not in out:
-            raise _unknown(key, list(out), where)
-        out[key] = _overlay(out[key], value, f"{where}.{key}") if isinstance(value, dict) else copy.deepcopy(value)
-    return out
-
-
 def load_bdlm_config(preset: str = "tiny-bdlm", overrides: list[str] | None = None,
                      data: dict[str, Any] | None = None) -> BDLMConfig:
     """Preset + an optional dict laid over it + dotted ``section.key=value`` overrides."""
@@ -267,8 +224,8 @@ def load_bdlm_config(preset: str = "tiny-bdlm", overrides: list[str] | None = No
         hint = difflib.get_close_matches(preset, list(PRESETS), n=1)
         extra = f"; did you mean {hint[0]!r}?" if hint else ""
         raise ConfigError(f"unknown bdlm preset {preset!r}; known presets: {', '.join(PRESETS)}{extra}")
-    base = _overlay(BDLMConfig().to_dict(), PRESETS[preset](), f"preset {preset}")
+    base = _merge(BDLMConfig().to_dict(), PRESETS[preset](), f"preset {preset}")
     base["preset"] = preset
     if data:
-        base = _overlay(base, data, "bdlm config")
+        base = _merge(base, data, "bdlm config")
     return BDLMConfig.from_dict(apply_overrides(base, overrides or []), where=f"preset {preset}")

@@ -214,6 +214,20 @@ class FlowGRPOObjective:
 
         return compute
 
+    @torch.no_grad()
+    def recompute_log_prob_diff(self, traj: Trajectory) -> tuple[float, int]:
+        """Mean ``|recomputed - recorded|`` log-prob over every SDE pair of ``traj`` with the current
+        weights (the rollout's micro-batches, no update), and the number of pairs. Used to check
+        an engine against the trainer: before any update it must be 0 (or fp32 noise)."""
+        if traj.advantages is None:  # the loss needs advantages; their values do not matter here
+            zeros = torch.zeros(traj.batch_size)
+            traj = traj.with_rewards(zeros, {}, zeros)
+        probe = {"open": True}
+        everyone = torch.ones(traj.batch_size, dtype=torch.bool)
+        for unit in self.units(traj, traj.micro_batches(), everyone, np.random.default_rng(0), probe):
+            unit.compute()
+        return probe["sum"] / probe["count"], probe["count"]
+
     def train_step(self, trainer: Trainer, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
         """Inner epochs x minibatches optimizer steps on one rollout batch.
 
