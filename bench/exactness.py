@@ -20,17 +20,18 @@ import numpy as np
 import torch
 
 from diffusionrl.config import load_config
-from diffusionrl.training.loop import RLLoop
+from diffusionrl.runloop import RunLoop
+from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 
 
-def grads(loop: RLLoop, traj, active, micro: int) -> dict[str, torch.Tensor]:
+def grads(loop: RunLoop, traj, active, micro: int) -> dict[str, torch.Tensor]:
     traj = dataclasses.replace(traj, micro_batch_size=micro)
-    loop.trainer.optimizer.zero_grad(set_to_none=True)
-    units = loop.objective.units(traj, traj.micro_batches(), active, np.random.default_rng(0))
-    assert loop.trainer.accumulate(units, UpdateStats())
-    out = {n: p.grad.detach().clone() for n, p in loop.policy.params.items()}
-    loop.trainer.optimizer.zero_grad(set_to_none=True)
+    loop.backend.worker.trainer.optimizer.zero_grad(set_to_none=True)
+    units = loop.backend.worker.objective.units(traj, traj.micro_batches(), active, np.random.default_rng(0))
+    assert loop.backend.worker.trainer.accumulate(units, UpdateStats())
+    out = {n: p.grad.detach().clone() for n, p in loop.backend.worker.policy.params.items()}
+    loop.backend.worker.trainer.optimizer.zero_grad(set_to_none=True)
     return out
 
 
@@ -42,10 +43,10 @@ def main() -> None:
     cfg = load_config("tiny-cpu", overrides=["train.prompts_per_step=2", "train.group_size=8",
                                              "train.micro_batch_size=16", *args.overrides])
     with tempfile.TemporaryDirectory() as tmp:
-        loop = RLLoop(cfg, tmp, progress=False)
-        loop.push_weights(0)
-        traj, active, _ = loop.score(loop.rollout(0))
-        diff, pairs = loop.objective.recompute_log_prob_diff(traj)
+        loop = build_loop(cfg, tmp, progress=False)
+        loop.backend.push_weights(0)
+        traj, active, _ = loop.backend.score(loop.backend.rollout(0))
+        diff, pairs = loop.backend.worker.objective.recompute_log_prob_diff(traj)
         g1 = grads(loop, traj, active, traj.batch_size)
         g4 = grads(loop, traj, active, traj.batch_size // 4)
         rel = max(float((g1[n] - g4[n]).norm() / g1[n].norm()) for n in g1 if float(g1[n].norm()) > 0)

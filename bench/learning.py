@@ -18,7 +18,7 @@ import _common  # noqa: F401  (sets sys.path and offline env)
 import numpy as np
 
 from diffusionrl.config import load_config
-from diffusionrl.training.loop import RLLoop
+from diffusionrl.train import build_loop
 
 
 class Budget:
@@ -41,8 +41,8 @@ def run(algorithm: str | None, steps: int | None, budget_s: float | None, overri
     cfg = load_config("tiny-cpu-nft" if algorithm == "nft" else "tiny-cpu", overrides=extra + overrides)
     budget = Budget(budget_s)
     with tempfile.TemporaryDirectory() as tmp:
-        loop = RLLoop(cfg, tmp, progress=False)
-        loop.push_weights(0)
+        loop = build_loop(cfg, tmp, progress=False)
+        loop.backend.push_weights(0)
         t0 = time.perf_counter()
         while loop.step < cfg.train.steps and not budget.exceeded():
             loop.run_step(loop.step)

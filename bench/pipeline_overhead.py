@@ -23,7 +23,7 @@ os.environ.setdefault("FLYTE_LOCAL_CACHE_ENABLED", "false")
 from diffusionrl.config import load_config  # noqa: E402
 from diffusionrl.data import load_prompts  # noqa: E402
 from diffusionrl.evaluation import evaluate_lora  # noqa: E402
-from diffusionrl.training.loop import train  # noqa: E402
+from diffusionrl.train import train  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
         t0 = time.perf_counter()
         prompts = load_prompts(cfg.data)
         result = train(cfg, f"{tmp}/lib", resume=None, progress=False, prompts=prompts)
-        evaluate_lora(cfg, prompts.test, result.lora_dir)
+        evaluate_lora(cfg, prompts.test, result.model_dir)
         library_s = time.perf_counter() - t0
 
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"

@@ -28,7 +28,7 @@ from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.rollout.sglang import SGLangRolloutEngine
 from diffusionrl.sampling import sde_step_mask
 from diffusionrl.training.policy import LoraPolicy
-from diffusionrl.training.trainer import FlowGRPOObjective
+from diffusionrl.training.flow_grpo import FlowGRPOObjective
 
 
 def recompute_diff(cfg, policy, traj) -> float:

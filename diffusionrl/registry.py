@@ -228,6 +228,25 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
     )
 
 
+def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, model_digest: str,
+                  test_rows: list[dict], test_digest: str, score: float, lineage: dict[str, str]) -> Registration:
+    """The image workflow's registration: log the LoRA (base weights referenced by hub id, folder or
+    the persistent copy of a builtin model), register it, and re-score a champion evaluated
+    otherwise on this run's held-out prompts (``evaluation.evaluate_lora``)."""
+    from diffusionrl.evaluation import evaluate_lora
+    from diffusionrl.models.fetch import base_model_reference
+
+    info = log_lora_model(run, cfg, lora_dir, base_model_reference(cfg.model.name, model_path, model_digest),
+                          example_prompt=test_rows[0]["prompt"], metadata=lineage)
+
+    def rescore(model_dir: Path) -> float:
+        peft_dir = model_dir / "adapter_weights" / PEFT_SUBDIR
+        return evaluate_lora(cfg, test_rows, peft_dir, model_path=model_path).summary["eval/reward_mean"]
+
+    key = eval_key(cfg, test_digest, model_digest)
+    return register(run, cfg, info, score, key, lineage, rescore=rescore)
+
+
 def version_url(uri: str, name: str, version: str) -> str:
     if urlparse(uri).scheme in ("http", "https"):
         return f"{uri.rstrip('/')}/#/models/{name}/versions/{version}"

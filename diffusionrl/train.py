@@ -1,10 +1,14 @@
-"""``python -m diffusionrl.train``: the RL loop without Flyte.
+"""Training runs: ``build_loop`` / ``train`` (the library entry) and ``python -m diffusionrl.train``.
 
     python -m diffusionrl.train --preset tiny-cpu --steps 20 --out runs/tiny \\
         [--config my.yaml] [--set train.learning_rate=1e-3 --set sampling.num_steps=8]
 
 Prints one JSON line of metrics per step, writes ``metrics.jsonl``, checkpoints and the LoRA
 (``<out>/lora``). Re-running with the same ``--out`` resumes from the latest checkpoint.
+
+``build_loop`` picks the policy side of the run: ``training.local_worker.LocalPolicyWorker`` in
+this process, or ``distributed.ranks.RankGroup`` when ``train.world_size > 1`` (docs/scaling.md);
+it sits above both, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
-from diffusionrl.config import ConfigError, describe, load_config
+from diffusionrl.config import Config, ConfigError, describe, load_config
+from diffusionrl.runloop import Callback, RunLoop, RunResult, Schedule
 
 KEYS = (
     "rollout/reward/raw_mean",
@@ -30,8 +36,50 @@ KEYS = (
 )
 
 
-class PrintMetrics:
-    def on_step(self, loop, step, traj, metrics) -> None:
+def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: list[Callback] | None = None,
+               progress: bool | None = None, model_path: str | None = None, engine_factory=None,
+               scorer=None) -> RunLoop:
+    """A ``RunLoop`` over an ``ImageBackend`` for ``cfg``.
+
+    ``prompts`` (a ``data.PromptSet``) defaults to ``cfg.data``'s; ``model_path`` loads the base
+    weights from a fetched folder (the identity stays ``cfg.model.name``); ``engine_factory``
+    (``(cfg, adapter, policy) -> engine``) and ``scorer`` replace the configured engine and reward.
+    """
+    import torch
+
+    from diffusionrl.data import load_prompts
+    from diffusionrl.rewards import make_scorer, prompt_validator
+    from diffusionrl.training.backend import ImageBackend
+
+    torch.manual_seed(cfg.train.seed)
+    if prompts is None:
+        prompts = load_prompts(cfg.data, validate=prompt_validator(cfg.reward))
+    if cfg.train.world_size > 1:  # the trainer as FSDP2 ranks in Ray actors (docs/scaling.md)
+        from diffusionrl.distributed.ranks import RankGroup
+
+        worker = RankGroup(cfg, model_path=model_path, engine_factory=engine_factory)
+    else:
+        from diffusionrl.training.local_worker import LocalPolicyWorker
+
+        worker = LocalPolicyWorker(cfg, model_path=model_path, engine_factory=engine_factory)
+    backend = ImageBackend(cfg, out_dir, prompts, worker, scorer if scorer is not None else make_scorer(cfg.reward))
+    tc = cfg.train
+    schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints)
+    return RunLoop(backend, out_dir, schedule, cfg.to_dict(), callbacks=callbacks, progress=progress)
+
+
+def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", stop_after: int | None = None,
+          **kw) -> RunResult:
+    """Build a loop for ``cfg`` (``build_loop``'s keywords) and run it to the end."""
+    loop = build_loop(cfg, out_dir, **kw)
+    try:
+        return loop.run(resume=resume, stop_after=stop_after)
+    finally:
+        loop.close()
+
+
+class PrintMetrics(Callback):
+    def on_step(self, loop, step, batch, metrics) -> None:
         row = {"step": step, **{k: round(metrics[k], 6) for k in KEYS if k in metrics}}
         print(json.dumps(row), flush=True)
 
@@ -58,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    from diffusionrl.training.loop import train
-
     result = train(cfg, args.out, resume=None if args.fresh else "auto", callbacks=[PrintMetrics()])
-    print(json.dumps({"out": str(result.out_dir), "lora": str(result.lora_dir), "steps": result.steps_done}))
+    print(json.dumps({"out": str(result.out_dir), "lora": str(result.model_dir), "steps": result.steps_done}))
     return 0
 
 

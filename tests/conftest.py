@@ -54,15 +54,15 @@ def saved_lora(run_dir):
 def run_interrupted_and_uninterrupted(cfg, tmp_path):
     """Train ``cfg`` once straight through (``tmp_path/full``) and once "crashed" after one step
     and resumed from its checkpoint (``tmp_path/part``). Returns (full loop, resumed loop, result)."""
-    from diffusionrl.training.loop import RLLoop
+    from diffusionrl.train import build_loop
 
-    full = RLLoop(cfg, tmp_path / "full", progress=False)
+    full = build_loop(cfg, tmp_path / "full", progress=False)
     full.run(resume=None)
     full.close()
-    part = RLLoop(cfg, tmp_path / "part", progress=False)
+    part = build_loop(cfg, tmp_path / "part", progress=False)
     part.run(resume=None, stop_after=1)  # "crash" after one step
     part.close()
-    resumed = RLLoop(cfg, tmp_path / "part", progress=False)
+    resumed = build_loop(cfg, tmp_path / "part", progress=False)
     result = resumed.run(resume="auto")
     resumed.close()
     return full, resumed, result

@@ -19,7 +19,7 @@ from diffusionrl.bdlm import (
     warm_start,
 )
 from diffusionrl.config import ConfigError
-from diffusionrl.training.checkpoint import CheckpointMismatch
+from diffusionrl.checkpoint import CheckpointMismatch
 
 # Two groups of four, two GRPO steps, a 2-layer 32-wide model: a whole run takes about a second.
 TINY = [

@@ -57,14 +57,14 @@ def test_registered_model_decodes_like_the_trained_policy(run):
     """pyfunc predict on the registered version equals greedy decoding with the trained weights."""
     import mlflow.pyfunc
 
-    from diffusionrl.bdlm import load_bdlm_config
+    from diffusionrl.bdlm import load_bdlm, load_bdlm_config
+    from diffusionrl.bdlm.evaluation import decode_answers
     from diffusionrl.bdlm.task import make_splits
-    from tasks.bdlm import _decode_greedy
 
     out, _ = run
     cfg = load_bdlm_config("tiny-bdlm", overrides=SMALL)
     examples = make_splits(cfg.task).test[:10]
-    _, expected = _decode_greedy(cfg, out.model.path, examples)
+    expected = decode_answers(cfg, load_bdlm(out.model.path, cfg.model), examples)
     mlflow.set_registry_uri(os.environ["MLFLOW_TRACKING_URI"])
     model = mlflow.pyfunc.load_model(f"models:/test-bdlm/{out.registered.version}")
     got = model.predict(pd.DataFrame({"prompt": [e.prompt for e in examples]}))

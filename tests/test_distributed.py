@@ -72,7 +72,8 @@ def test_two_gloo_fsdp_ranks_give_one_process_gradient(ray_cluster):
     from diffusionrl.rollout.base import SamplingSpec
     from diffusionrl.rollout.local import LocalRolloutEngine
     from diffusionrl.training.policy import LoraPolicy
-    from diffusionrl.training.trainer import FlowGRPOObjective, Trainer, UpdateStats
+    from diffusionrl.training.flow_grpo import FlowGRPOObjective
+    from diffusionrl.training.trainer import Trainer, UpdateStats
 
     cfg = tiny_config(*DIST)
     placement, ranks = _ranks(cfg)  # the actors start while this process builds its own copy
@@ -164,13 +165,13 @@ def test_colocated_two_step_training_with_sglang_engine_and_reward_actors(ray_cl
 
     if not sglang_available():
         pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env`")
-    from diffusionrl.distributed.loop import DistributedRLLoop
+    from diffusionrl.train import build_loop
 
     cfg = tiny_config(*DIST, "reward.num_actors=1", "train.offload_optimizer=true", preset="tiny-cpu-sglang")
-    loop = DistributedRLLoop(cfg, tmp_path / "run", progress=False)
+    loop = build_loop(cfg, tmp_path / "run", progress=False)
     try:
-        assert [i["engine"] for i in loop.infos] == ["sglang", None]
-        assert {i["backend"] for i in loop.infos} == {"gloo"}
+        assert [i["engine"] for i in loop.backend.worker.infos] == ["sglang", None]
+        assert {i["backend"] for i in loop.backend.worker.infos} == {"gloo"}
         result = loop.run(resume=None)
     finally:
         loop.close()
@@ -179,5 +180,5 @@ def test_colocated_two_step_training_with_sglang_engine_and_reward_actors(ray_cl
         assert math.isfinite(m["train/loss"]) and m["train/optimizer_steps"] == 1.0
         assert m["train/log_prob_mean_abs_diff"] <= 1e-5  # the trainer recomputes the server's samples
         assert m["perf/update_weights_time"] > 0
-    assert (result.lora_dir / "adapter_model.safetensors").is_file()
+    assert (result.model_dir / "adapter_model.safetensors").is_file()
     assert (result.checkpoint / "state.json").is_file()

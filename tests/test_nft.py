@@ -8,8 +8,8 @@ import torch
 
 from diffusionrl.algorithms.nft import nft_optimality, nft_terms, noisy_latents, old_policy_eta
 from diffusionrl.config import ConfigError, load_config
-from diffusionrl.training.checkpoint import CheckpointMismatch
-from diffusionrl.training.loop import RLLoop
+from diffusionrl.checkpoint import CheckpointMismatch
+from diffusionrl.train import build_loop
 from diffusionrl.training.nft import TimestepPlan
 from diffusionrl.training.trainer import UpdateStats
 
@@ -104,15 +104,15 @@ def test_gradient_at_the_reference_settings_matches_finite_differences():
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     cfg = tiny_config("algorithm.old_policy_rate=0.1", preset=NFT)
-    lp = RLLoop(cfg, tmp_path_factory.mktemp("nft"), progress=False)
-    lp.push_weights(0)
+    lp = build_loop(cfg, tmp_path_factory.mktemp("nft"), progress=False)
+    lp.backend.push_weights(0)
     yield lp
     lp.close()
 
 
 @pytest.fixture(scope="module")
 def scored(loop):
-    traj, active, _ = loop.score(loop.rollout(0))
+    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
     return traj, active
 
 
@@ -128,18 +128,18 @@ def test_timestep_plan_is_per_sample_and_independent_of_the_batch():
 
 def test_a_unit_feeds_t_times_1000_and_uses_old_live_and_reference_weights(loop, scored, monkeypatch):
     traj, active = scored
-    obj, policy = loop.objective, loop.policy
+    obj, policy = loop.backend.worker.objective, loop.backend.worker.policy
     name = next(n for n in policy.params if "lora_B" in n)
     saved_old = obj.old.shadow
     obj.old.shadow = {n: p.detach().clone() + 0.01 for n, p in policy.params.items()}  # old != live
     calls = []
-    real = loop.adapter.velocity
+    real = loop.backend.worker.adapter.velocity
 
     def spy(model, x, timestep, cond, g):
         calls.append((timestep.clone(), policy.params[name].detach().clone(), torch.is_grad_enabled()))
         return real(model, x, timestep, cond, g)
 
-    monkeypatch.setattr(loop.adapter, "velocity", spy)
+    monkeypatch.setattr(loop.backend.worker.adapter, "velocity", spy)
     live = policy.lora_state()
     plan = obj.plan(traj, step=0, epoch=0)
     units = obj.units(traj, traj.micro_batches(), active, plan)
@@ -158,11 +158,11 @@ def test_a_unit_feeds_t_times_1000_and_uses_old_live_and_reference_weights(loop,
 
 def _grads(loop, traj, active, micro):
     traj = dataclasses.replace(traj, micro_batch_size=micro)
-    trainer, objective = loop.trainer, loop.objective
+    trainer, objective = loop.backend.worker.trainer, loop.backend.worker.objective
     trainer.optimizer.zero_grad(set_to_none=True)
     units = objective.units(traj, traj.micro_batches(), active, objective.plan(traj, step=0, epoch=0))
     assert trainer.accumulate(units, UpdateStats())
-    grads = {n: p.grad.detach().clone() for n, p in loop.policy.params.items()}
+    grads = {n: p.grad.detach().clone() for n, p in loop.backend.worker.policy.params.items()}
     trainer.optimizer.zero_grad(set_to_none=True)
     return grads
 
@@ -178,18 +178,18 @@ def test_gradient_does_not_depend_on_the_micro_batch_split(loop, scored):
 
 def test_a_step_trains_every_tensor_moves_the_old_policy_by_eta_and_pushes_it(loop, scored):
     traj, active = scored
-    obj = loop.objective
-    loop.update(traj, active, step=0)  # now old != live
+    obj = loop.backend.worker.objective
+    loop.backend.update(traj, active, step=0)  # now old != live
     old_before = obj.old.state()
-    live_before = loop.policy.lora_state()
+    live_before = loop.backend.worker.policy.lora_state()
     metrics = loop.run_step(1)  # rollout with the old policy, update, old-policy EMA, weight push
-    live = loop.policy.lora_state()
+    live = loop.backend.worker.policy.lora_state()
     eta = min(0.1 * 2, 0.5)  # rate 0.1, flat 0, cap 0.5, after 2 completed steps
     assert metrics["train/old_policy_eta"] == pytest.approx(eta)
     for n, value in live.items():
         assert not torch.equal(value, live_before[n]), n
         assert torch.equal(obj.old.shadow[n], old_before[n].mul(eta).add(value, alpha=1 - eta)), n
-    engine = dict(loop.engine.transformer.named_parameters())
+    engine = dict(loop.backend.worker.engine.transformer.named_parameters())
     assert all(torch.equal(engine[n], obj.old.shadow[n]) for n in live)  # the old policy, not the live one
     assert all(not torch.equal(engine[n], live[n]) for n in live)
     for key in ("nft_loss", "nft_pos", "nft_neg", "nft_r_mean", "kl_loss", "loss", "grad_norm", "lr", "skipped_updates"):
@@ -214,7 +214,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert result.steps_done == 3
     a, b = saved_lora(tmp_path / "full"), saved_lora(tmp_path / "part")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    old_a, old_b = full.objective.old.shadow, resumed.objective.old.shadow
+    old_a, old_b = full.backend.worker.objective.old.shadow, resumed.backend.worker.objective.old.shadow
     assert all(torch.equal(old_a[k], old_b[k]) for k in old_a)
     assert [m["rollout/reward/raw_mean"] for m in full.history] == [m["rollout/reward/raw_mean"] for m in resumed.history]
 
@@ -222,17 +222,17 @@ def test_resume_equals_uninterrupted(tmp_path):
 def test_resume_across_algorithms_fails_closed(tmp_path):
     nft = tiny_config("train.steps=1", preset=NFT)
     grpo = tiny_config("train.steps=2", "algorithm.name=flow_grpo", preset=NFT)  # differs only in the algorithm
-    RLLoop(nft, tmp_path / "a", progress=False).run(resume=None)
+    build_loop(nft, tmp_path / "a", progress=False).run(resume=None)
     with pytest.raises(CheckpointMismatch, match="algorithm"):
-        RLLoop(grpo, tmp_path / "a", progress=False).run(resume="auto")
-    RLLoop(grpo, tmp_path / "b", progress=False).run(resume=None, stop_after=1)
+        build_loop(grpo, tmp_path / "a", progress=False).run(resume="auto")
+    build_loop(grpo, tmp_path / "b", progress=False).run(resume=None, stop_after=1)
     with pytest.raises(CheckpointMismatch, match="algorithm"):
-        RLLoop(tiny_config("train.steps=2", preset=NFT), tmp_path / "b", progress=False).run(resume="auto")
+        build_loop(tiny_config("train.steps=2", preset=NFT), tmp_path / "b", progress=False).run(resume="auto")
 
 
 def test_missing_old_policy_tensors_are_rejected(loop):
     with pytest.raises(CheckpointMismatch, match="old-policy"):
-        loop.objective.load_state_tensors({"ema": {}})
+        loop.backend.worker.objective.load_state_tensors({"ema": {}})
 
 
 # -- configuration ---------------------------------------------------------------------------------------

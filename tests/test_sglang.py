@@ -28,7 +28,7 @@ from diffusionrl.rollout.sglang import (
     resolve_sglang_python,
     sglang_available,
 )
-from diffusionrl.training.trainer import FlowGRPOObjective
+from diffusionrl.training.flow_grpo import FlowGRPOObjective
 
 from .conftest import tiny_config
 
@@ -247,7 +247,7 @@ SGLANG_TRAIN = ["train.prompts_per_step=1", "sampling.num_sde_steps=1", "algorit
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from diffusionrl.training.loop import train
+    from diffusionrl.train import train
 
     if not sglang_available():
         pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
@@ -265,7 +265,7 @@ def test_training_run_with_sglang_engine(trained):
         assert m["train/log_prob_mean_abs_diff"] <= 1e-5
         assert m["perf/update_weights_time"] > 0
     assert [m["policy_version"] for m in result.metrics] == [1.0, 2.0]
-    assert (result.lora_dir / "adapter_model.safetensors").is_file()
+    assert (result.model_dir / "adapter_model.safetensors").is_file()
 
 
 class KillServerMidRollout:
@@ -278,7 +278,7 @@ class KillServerMidRollout:
     def on_step(self, loop, step, traj, metrics):
         if step != 1:
             return
-        engine = self.engine = loop.engine
+        engine = self.engine = loop.backend.worker.engine
         start = engine.requests_sent
         pid = engine.server.pid
 
@@ -293,21 +293,20 @@ class KillServerMidRollout:
 
 
 @requires_sglang
-def test_server_killed_mid_run_is_survived(stack, trained, tmp_path, monkeypatch):
+def test_server_killed_mid_run_is_survived(stack, trained, tmp_path):
     """Restart + retry: no step is lost and the run equals the uninterrupted one. (This run's
     engine attaches to the module's server, which saves a server start.)"""
-    from diffusionrl.training import loop as loop_module
+    from diffusionrl.train import train
 
     _, _, _, shared = stack
     cfg, full = trained
 
-    def make_engine(cfg, adapter, policy, progress=False):
+    def make_engine(cfg, adapter, policy):
         return SGLangRolloutEngine(adapter, policy.model, micro_batch_size=cfg.train.micro_batch_size,
                                    verify_weights=True, server=shared.server)
 
-    monkeypatch.setattr(loop_module, "make_engine", make_engine)
     killer = KillServerMidRollout()
-    result = loop_module.train(cfg, tmp_path / "killed", resume=None, progress=False, callbacks=[killer])
+    result = train(cfg, tmp_path / "killed", resume=None, progress=False, callbacks=[killer], engine_factory=make_engine)
     assert killer.killed_pid is not None and killer.engine.restarts == 1
     assert result.steps_done == 2 and [m["step"] for m in result.metrics] == [1.0, 2.0]
     for a, b in zip(full.metrics, result.metrics):

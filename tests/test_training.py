@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from diffusionrl.training.checkpoint import CheckpointMismatch
-from diffusionrl.training.loop import RLLoop
+from diffusionrl.checkpoint import CheckpointMismatch
+from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 
 from .conftest import run_interrupted_and_uninterrupted, saved_lora, tiny_config
@@ -16,27 +16,27 @@ from .conftest import run_interrupted_and_uninterrupted, saved_lora, tiny_config
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     cfg = tiny_config("algorithm.kl_beta=0.04")
-    lp = RLLoop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
-    lp.push_weights(0)
+    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
+    lp.backend.push_weights(0)
     yield lp
     lp.close()
 
 
 @pytest.fixture(scope="module")
 def scored(loop):
-    traj = loop.rollout(0)
-    traj, active, metrics = loop.score(traj)
+    traj = loop.backend.rollout(0)
+    traj, active, metrics = loop.backend.score(traj)
     return traj, active
 
 
 def _grads(loop, traj, active, micro):
     traj = dataclasses.replace(traj, micro_batch_size=micro)
-    trainer, objective = loop.trainer, loop.objective
+    trainer, objective = loop.backend.worker.trainer, loop.backend.worker.objective
     trainer.optimizer.zero_grad(set_to_none=True)
     rng = __import__("numpy").random.default_rng(0)
     units = objective.units(traj, traj.micro_batches(), active, rng)
     assert trainer.accumulate(units, UpdateStats())
-    grads = {n: p.grad.detach().clone() for n, p in loop.policy.params.items()}
+    grads = {n: p.grad.detach().clone() for n, p in loop.backend.worker.policy.params.items()}
     trainer.optimizer.zero_grad(set_to_none=True)
     return grads
 
@@ -45,7 +45,7 @@ def test_recomputed_log_probs_equal_rollout_log_probs_before_the_update(loop, sc
     traj, active = scored
     probe = {"open": True}
     rng = __import__("numpy").random.default_rng(0)
-    units = loop.objective.units(traj, traj.micro_batches(), torch.ones_like(active), rng, probe)
+    units = loop.backend.worker.objective.units(traj, traj.micro_batches(), torch.ones_like(active), rng, probe)
     with torch.no_grad():
         for unit in units:
             unit.compute()
@@ -64,9 +64,9 @@ def test_gradient_does_not_depend_on_the_micro_batch_split(loop, scored):
 
 def test_every_lora_parameter_changes_after_a_step_and_the_loss_is_finite(loop, scored):
     traj, active = scored
-    before = loop.policy.lora_state()
-    metrics = loop.update(traj, active, step=0)
-    after = loop.policy.lora_state()
+    before = loop.backend.worker.policy.lora_state()
+    metrics = loop.backend.update(traj, active, step=0)
+    after = loop.backend.worker.policy.lora_state()
     unchanged = [n for n in before if torch.equal(before[n], after[n])]
     assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
@@ -77,10 +77,10 @@ def test_every_lora_parameter_changes_after_a_step_and_the_loss_is_finite(loop, 
 def test_a_nan_loss_skips_the_update_and_is_counted(loop, scored):
     traj, active = scored
     bad = dataclasses.replace(traj, advantages=torch.full_like(traj.advantages, float("nan")))
-    before = loop.policy.lora_state()
-    metrics = loop.update(bad, active, step=1)
+    before = loop.backend.worker.policy.lora_state()
+    metrics = loop.backend.update(bad, active, step=1)
     assert metrics["train/skipped_updates"] == 1 and metrics["train/optimizer_steps"] == 0
-    assert all(torch.equal(before[n], p) for n, p in loop.policy.lora_state().items())
+    assert all(torch.equal(before[n], p) for n, p in loop.backend.worker.policy.lora_state().items())
 
 
 def test_resume_equals_uninterrupted(tmp_path):
@@ -98,10 +98,10 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 def test_resume_with_another_objective_fails_closed(tmp_path):
     cfg = tiny_config("train.steps=1")
-    RLLoop(cfg, tmp_path, progress=False).run(resume=None)
+    build_loop(cfg, tmp_path, progress=False).run(resume=None)
     other = tiny_config("train.steps=2", "reward.weights={jpeg_incompressibility: 1.0}")
     with pytest.raises(CheckpointMismatch, match="reward"):
-        RLLoop(other, tmp_path, progress=False).run(resume="auto")
+        build_loop(other, tmp_path, progress=False).run(resume="auto")
 
 
 def test_ocr_recipe_runs_end_to_end_with_the_ray_actor_pool(tmp_path):
@@ -109,10 +109,10 @@ def test_ocr_recipe_runs_end_to_end_with_the_ray_actor_pool(tmp_path):
     from diffusionrl.rewards.pool import RewardActorPool
 
     cfg = tiny_config("train.steps=2", "sampling.resolution=64", preset="tiny-cpu-ocr")
-    loop = RLLoop(cfg, tmp_path, progress=False)
+    loop = build_loop(cfg, tmp_path, progress=False)
     try:
-        assert isinstance(loop.scorer, RewardActorPool) and len(loop.scorer.actors) == 2
-        assert all('"' in r["prompt"] for r in loop.prompts.train)
+        assert isinstance(loop.backend.scorer, RewardActorPool) and len(loop.backend.scorer.actors) == 2
+        assert all('"' in r["prompt"] for r in loop.backend.prompts.train)
         result = loop.run(resume=None)
     finally:
         loop.close()

@@ -76,7 +76,7 @@ def test_eval_compares_base_and_tuned_on_the_same_seeds(run):
 def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, monkeypatch):
     from flytekit.core.local_cache import LocalTaskCache
 
-    from tasks.pipeline import fetch_checkpoint, prepare_prompts
+    from tasks.grpo import fetch_checkpoint, prepare_prompts
 
     import flytekit.core.local_cache as local_cache
 
@@ -103,7 +103,7 @@ def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, mo
         return real_load(*a, **k)
 
     monkeypatch.setattr(fetch_mod, "fetch_model", count_fetch)
-    monkeypatch.setattr("tasks.pipeline.load_prompts", count_load)
+    monkeypatch.setattr("tasks.grpo.load_prompts", count_load)
     for _ in range(2):
         prepare_prompts(data=cfg.data, reward=cfg.reward)
         fetch_checkpoint(reference=cfg.model.name, revision=cfg.model.revision)

@@ -36,7 +36,7 @@ from tasks.bdlm import (  # noqa: E402
     train_bdlm,
     warm_start_stage,
 )
-from tasks.pipeline import RegisteredVersion  # noqa: E402
+from tasks.common import RegisteredVersion  # noqa: E402
 
 DEFAULT_BDLM_CONFIG = load_bdlm_config("tiny-bdlm")
 

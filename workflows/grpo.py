@@ -30,7 +30,7 @@ from flytekit.types.file import FlyteFile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks`, `images` next to `workflows`
 
 from diffusionrl.config import Config, get_preset  # noqa: E402
-from tasks.pipeline import (  # noqa: E402
+from tasks.grpo import (  # noqa: E402
     RegisteredVersion,
     evaluate,
     fetch_checkpoint,

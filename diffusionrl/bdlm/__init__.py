@@ -13,14 +13,8 @@ Components: ``decode`` (sampler with trace), ``TraceBatch`` + Parquet (``trace``
 
 from .config import BDLMConfig, load_bdlm_config
 from .grpo import OBJECTIVE, OldPolicy, TraceGRPO, categorical_kl, grpo_token_terms
-from .loop import (
-    BDLMRun,
-    GRPOResult,
-    evaluate,
-    evaluate_adapter,
-    train_grpo,
-    warm_start,
-)
+from .backend import BDLMBackend, train_grpo
+from .evaluation import compare, decode_examples, eval_key, evaluate, evaluate_adapter
 from .model import (
     VOCAB,
     HFMaskedLMAdapter,
@@ -34,14 +28,14 @@ from .replay import replay_canvas, replay_log_probs
 from .sampler import Decoded, decode
 from .task import make_splits
 from .trace import TraceBatch, TraceError, read_trace, read_traces, write_step
+from .warmstart import warm_start
 
 __all__ = [
     "OBJECTIVE",
     "VOCAB",
     "BDLMConfig",
-    "BDLMRun",
+    "BDLMBackend",
     "Decoded",
-    "GRPOResult",
     "HFMaskedLMAdapter",
     "OldPolicy",
     "TinyBDLMAdapter",
@@ -50,7 +44,10 @@ __all__ = [
     "TraceGRPO",
     "Vocab",
     "categorical_kl",
+    "compare",
+    "decode_examples",
     "decode",
+    "eval_key",
     "evaluate",
     "evaluate_adapter",
     "frozen_copy",

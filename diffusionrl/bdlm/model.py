@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 MODEL_FILE = "bdlm_model.json"
+RUN_INFO = "bdlm_run.json"  # which stage wrote a model folder, from what, with which digests
 
 
 @dataclass(frozen=True)

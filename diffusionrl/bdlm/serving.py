@@ -86,3 +86,20 @@ def log_bdlm_model(run, cfg, model_dir: str | Path, example_prompt: str, metadat
             input_example=pd.DataFrame({"prompt": [example_prompt]}),
             pip_requirements=["torch", "safetensors", "numpy", "pandas", "mlflow"],
         )
+
+
+def register_bdlm_model(run, cfg, model_dir: str | Path, test_digest: str, score: float, lineage: dict[str, str]):
+    """Log the policy in ``model_dir`` and register it; a champion evaluated otherwise is re-scored
+    on this run's held-out split. -> ``registry.Registration``."""
+    from diffusionrl import registry
+
+    from .evaluation import eval_key, evaluate
+    from .task import make_splits
+
+    example = make_splits(cfg.task).test[0].prompt
+    info = log_bdlm_model(run, cfg, model_dir, example, lineage)
+
+    def rescore(downloaded: Path) -> float:
+        return evaluate(cfg, downloaded / "artifacts" / "model")["eval/reward_mean"]
+
+    return registry.register(run, cfg, info, score, eval_key(cfg, test_digest), lineage, rescore=rescore)

@@ -111,3 +111,18 @@ def score(generated: torch.Tensor, examples: list[Example], partial_weight: floa
         partial.append(hits / max(len(ex.answer), len(pred)))
     exact_a, partial_a = np.asarray(exact, np.float32), np.asarray(partial, np.float32)
     return {"reward": exact_a + partial_weight * partial_a, "exact": exact_a, "partial": partial_a}
+
+
+def split_frames(task_cfg):
+    """The generated splits as tables (``prompt``, ``answer``) and their joint content digest."""
+    import hashlib
+
+    import pandas as pd
+
+    from diffusionrl.tracking import frame_digest
+
+    splits = make_splits(task_cfg)
+    frames = [pd.DataFrame({"prompt": [e.prompt for e in part], "answer": [e.answer for e in part]})
+              for part in (splits.train, splits.test)]
+    digest = hashlib.sha256((frame_digest(frames[0]) + frame_digest(frames[1])).encode()).hexdigest()[:16]
+    return frames[0], frames[1], digest

@@ -9,12 +9,16 @@ excluded), so the warm-started model is trained on exactly what the sampler will
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from tqdm.auto import tqdm
 
-from .model import BDLMAdapter
+from .config import BDLMConfig
+from .model import RUN_INFO, BDLMAdapter, load_bdlm, weights_digest
 from .sampler import proposal_log_probs
-from .task import Example, encode_answers, encode_prompts
+from .task import Example, encode_answers, encode_prompts, make_splits
 
 T_MIN = 1e-3
 
@@ -62,3 +66,21 @@ def train_warm_start(adapter: BDLMAdapter, examples: list[Example], ws_cfg, *, p
         optimizer.step()
         history.append({"step": float(step + 1), "warmstart/loss": float(loss.detach()), "warmstart/grad_norm": grad_norm})
     return history
+
+
+def warm_start(cfg: BDLMConfig, out_dir: str | Path, progress: bool | None = None) -> Path:
+    """Masked-diffusion supervised stage from ``cfg.model.name``; returns the saved model folder
+    (``out_dir/model``). ``out_dir/metrics.jsonl`` holds the per-step loss."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    adapter = load_bdlm(cfg.model.name, cfg.model)
+    torch.manual_seed(cfg.warm_start.seed)
+    splits = make_splits(cfg.task)
+    history = train_warm_start(adapter, splits.train, cfg.warm_start, prompt_length=cfg.task.prompt_length,
+                               gen_length=cfg.model.gen_length, progress=progress)
+    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    model_dir = adapter.save(out_dir / "model")
+    info = {"stage": "warm_start", "objective": "masked_diffusion_sft", "base_model": cfg.model.name,
+            "steps": cfg.warm_start.steps, "config_digest": cfg.digest(), "weights_digest": weights_digest(adapter)}
+    (model_dir / RUN_INFO).write_text(json.dumps(info, indent=1))
+    return model_dir

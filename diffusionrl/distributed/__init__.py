@@ -1,7 +1,8 @@
 """Scale-out of the training stage (docs/scaling.md): Ray placement, torch.distributed ranks in Ray
 actors, FSDP2 sharding of the LoRA policy, a rank-consistent grad scaler, CUDA IPC weight sync.
 
-``DistributedRLLoop`` is the entry point (``train.world_size > 1``); the modules are its parts.
+``ranks.RankGroup`` is the entry point (``train.world_size > 1``, picked by ``diffusionrl.train.build_loop``);
+the modules are its parts.
 """
 
 from .placement import Placement, build_placement, bundle_resources

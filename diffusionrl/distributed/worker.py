@@ -106,16 +106,20 @@ class DistributedTrainer(Trainer):
 
 
 class TrainerRank:
-    """Rank ``rank`` of ``world_size`` (made a Ray actor by ``DistributedRLLoop``)."""
+    """Rank ``rank`` of ``world_size`` (made a Ray actor by ``ranks.RankGroup``).
+
+    ``engine_factory`` (default ``rollout.factory.make_engine``) builds the engine of an engine rank.
+    """
 
     def __init__(self, cfg_dict: dict, rank: int, world_size: int, master_addr: str, master_port: int,
-                 holds_engine: bool = False, model_path: str | None = None, threads: int = 1):
+                 holds_engine: bool = False, model_path: str | None = None, threads: int = 1,
+                 engine_factory=None):
         from diffusionrl.config import Config
         from diffusionrl.models import load_adapter
         from diffusionrl.models.sd3 import resolve_device
-        from diffusionrl.training.loop import make_engine
+        from diffusionrl.rollout.factory import make_engine
         from diffusionrl.training.policy import LoraPolicy
-        from diffusionrl.training.trainer import FlowGRPOObjective
+        from diffusionrl.training.flow_grpo import FlowGRPOObjective
 
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
@@ -132,7 +136,7 @@ class TrainerRank:
         self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
         self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
         # The engine is built before sharding: it copies/keeps the full base weights it serves.
-        self.engine = make_engine(cfg, self.adapter, self.policy) if holds_engine else None
+        self.engine = (engine_factory or make_engine)(cfg, self.adapter, self.policy) if holds_engine else None
         _, loss_factor = shard_policy(self.policy, cfg.train.mixed_precision, self.device, world_size)
         self.trainer = DistributedTrainer(cfg, self.policy, self.device, loss_factor)
         self.objective = FlowGRPOObjective(cfg, self.policy)

@@ -1,22 +1,4 @@
-"""Policy, trainer, checkpoints and the RL loop."""
-
-from .checkpoint import CheckpointMismatch, latest_checkpoint, load_checkpoint, save_checkpoint
-from .loop import RLLoop, TrainResult, train
-from .nft import NFTObjective
-from .policy import EMA, LoraPolicy
-from .trainer import FlowGRPOObjective, Trainer
-
-__all__ = [
-    "CheckpointMismatch",
-    "EMA",
-    "FlowGRPOObjective",
-    "LoraPolicy",
-    "NFTObjective",
-    "RLLoop",
-    "TrainResult",
-    "Trainer",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "save_checkpoint",
-    "train",
-]
+"""Image RL training: the LoRA policy (``policy``), the trainer and its exact accumulation rule
+(``trainer``), the objectives (``flow_grpo``, ``nft``, by name in ``objective``), the
+single-process policy worker (``local_worker``) and the step backend (``backend``) that
+``diffusionrl.runloop.RunLoop`` drives. ``diffusionrl.train.train`` builds and runs it."""

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from diffusionrl.algorithms.nft import nft_terms, noisy_latents, old_policy_eta
+from diffusionrl.checkpoint import CheckpointMismatch
 from diffusionrl.trajectory import Trajectory
 
-from .checkpoint import CheckpointMismatch
 from .policy import EMA, LoraPolicy
 from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule
 
@@ -81,6 +81,7 @@ class NFTObjective:
     """DiffusionNFT: likelihood-free policy improvement against an EMA old policy."""
 
     name = "nft"
+    rollout_sde_type = "ode"  # NFT learns from deterministic samples of the old policy
 
     def __init__(self, cfg, policy: LoraPolicy):
         self.cfg = cfg

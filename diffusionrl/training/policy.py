@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model
 
 from diffusionrl.models.sd3 import SD3Adapter
 
@@ -53,17 +53,6 @@ class LoraPolicy:
             raise KeyError(f"LoRA state mismatch: {len(missing)} missing, {len(unknown)} unknown tensors")
         for name, value in state.items():
             self.params[name].copy_(value)
-
-    def peft_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The adapter in peft's saved format (``adapter_model.safetensors`` key names)."""
-        if state is None:
-            return get_peft_model_state_dict(self.model)
-        live = self.lora_state()
-        self.load_lora_state(state)
-        try:
-            return {k: v.clone() for k, v in get_peft_model_state_dict(self.model).items()}
-        finally:
-            self.load_lora_state(live)
 
     def engine_copy(self) -> torch.nn.Module:
         """A separate copy of the wrapped transformer for an in-process rollout engine."""

@@ -1,0 +1,163 @@
+"""``BDLMBackend``: one GRPO step of a block-diffusion LM, driven by ``runloop.RunLoop``, and
+``train_grpo``, the stage a workflow calls.
+
+A step is ``sample_batch -> rollout -> score -> update``. Every random choice of step ``s`` (its
+prompts, sample seeds) is seeded by ``(grpo.seed, s)`` and the rollout's Gumbel noise by the
+per-row seed, so a run resumed from a checkpoint repeats exactly what the uninterrupted run would
+have done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffusionrl.algorithms.advantages import group_advantages
+from diffusionrl.checkpoint import CheckpointState
+from diffusionrl.runloop import Callback, RunLoop, RunResult, Schedule
+
+from . import trace as trace_store
+from .config import BDLMConfig
+from .evaluation import decode_examples
+from .grpo import OBJECTIVE, TraceGRPO
+from .model import RUN_INFO, frozen_copy, load_bdlm, weights_digest
+from .task import Example, make_splits, score
+from .trace import TraceBatch
+
+
+class BDLMBackend:
+    """Live policy, frozen reference, optimizer, objective and data of one GRPO run."""
+
+    progress_label = "grpo"
+    restore_rng = False
+
+    def __init__(self, cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path):
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.init_dir = str(init_dir)
+        self.splits = make_splits(cfg.task)
+        self.live = load_bdlm(init_dir, cfg.model)
+        self.init_digest = weights_digest(self.live)
+        self.reference = frozen_copy(self.live) if cfg.grpo.kl_beta > 0 else None
+        gc = cfg.grpo
+        self.optimizer = torch.optim.AdamW(self.live.module.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
+        self.objective = TraceGRPO(gc, self.live, self.reference)
+
+    def metadata(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be resumed: objective, model, initial weights, task."""
+        return {
+            "objective": OBJECTIVE,
+            "model": self.cfg.model.name,
+            "init_weights_digest": self.init_digest,
+            "task": {"kind": self.cfg.task.kind, "min_len": self.cfg.task.min_len, "max_len": self.cfg.task.max_len},
+            "trace_schema_version": trace_store.SCHEMA_VERSION,
+        }
+
+    # -- one step --------------------------------------------------------------------------------
+    def sample_batch(self, step: int) -> tuple[list[Example], torch.Tensor, torch.Tensor]:
+        """Prompts (each repeated ``group_size`` times), group ids and per-row seeds of ``step``."""
+        gc = self.cfg.grpo
+        rng = np.random.default_rng([gc.seed, step])
+        picked = rng.choice(len(self.splits.train), size=gc.prompts_per_step, replace=False)
+        examples = [self.splits.train[int(i)] for i in picked for _ in range(gc.group_size)]
+        group_ids = torch.arange(step * gc.prompts_per_step,
+                                 (step + 1) * gc.prompts_per_step).repeat_interleave(gc.group_size)
+        seeds = torch.as_tensor(rng.integers(0, 2**31 - 1, size=len(examples)), dtype=torch.int64)
+        return examples, group_ids, seeds
+
+    def rollout(self, step: int) -> tuple[TraceBatch, list[Example]]:
+        examples, group_ids, seeds = self.sample_batch(step)
+        mb = self.cfg.grpo.micro_batch_size
+        prompts, tokens, steps, log_probs = decode_examples(self.cfg, self.live, examples, seeds, mb)
+        trace = TraceBatch(
+            targets=tokens, action_steps=steps, loss_weights=(steps >= 0).float(), log_probs=log_probs,
+            prompt_length=prompts.shape[1], temperature=self.cfg.model.temperature, group_ids=group_ids,
+            seeds=seeds, micro_batch_size=mb, policy_version=step, vocab=self.live.vocab,
+            metadata=[{"prompt": ex.prompt, "answer": ex.answer} for ex in examples],
+        )
+        return trace, examples
+
+    def score(self, trace: TraceBatch, examples: list[Example]) -> tuple[TraceBatch, torch.Tensor, dict[str, float]]:
+        gc = self.cfg.grpo
+        s = score(trace.targets[:, trace.prompt_length :], examples, self.cfg.task.partial_weight, trace.vocab)
+        rewards = torch.as_tensor(s["reward"])
+        adv = group_advantages(rewards, trace.group_ids, global_std=gc.global_std, clip_max=gc.adv_clip_max)
+        parts = {"exact": torch.as_tensor(s["exact"]), "partial": torch.as_tensor(s["partial"])}
+        r = s["reward"]
+        metrics = {
+            "rollout/reward/raw_mean": float(r.mean()), "rollout/reward/raw_std": float(r.std()),
+            "rollout/reward/raw_min": float(r.min()), "rollout/reward/raw_max": float(r.max()),
+            "rollout/reward/raw_median": float(np.median(r)), "rollout/reward/num_samples": float(len(r)),
+            "rollout/reward/exact_mean": float(s["exact"].mean()),
+            "rollout/reward/partial_mean": float(s["partial"].mean()),
+            "rollout/zero_std/count": float(adv.zero_std_groups),
+            "rollout/decode_steps_mean": float((trace.action_steps.max(1).values + 1).float().mean()),
+        }
+        return trace.with_rewards(rewards, parts, adv.advantages), adv.active, metrics
+
+    def run_step(self, step: int) -> tuple[TraceBatch, dict[str, float]]:
+        t0 = time.perf_counter()
+        trace, examples = self.rollout(step)
+        t1 = time.perf_counter()
+        trace, active, metrics = self.score(trace, examples)
+        t2 = time.perf_counter()
+        metrics.update(self.objective.train_step(self.optimizer, trace, active))
+        t3 = time.perf_counter()
+        metrics.update({"perf/rollout_time": t1 - t0, "perf/reward_time": t2 - t1, "perf/train_time": t3 - t2,
+                        "perf/step_time": t3 - t0, "step": float(step + 1)})
+        if self.cfg.grpo.save_traces:
+            trace_store.write_step(self.out_dir / "traces", trace, run_id=self.out_dir.name, step=step + 1)
+        return trace, metrics
+
+    # -- run lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        pass  # decoding uses the live policy itself: nothing to push
+
+    def state(self, step: int) -> CheckpointState:
+        """Full policy weights (the checkpoint's ``lora`` slot) + AdamW state + metadata."""
+        return CheckpointState(
+            step=step, policy_version=step, metadata=self.metadata(),
+            lora={k: v.detach().clone() for k, v in self.live.module.state_dict().items()},
+            optimizer=self.optimizer.state_dict(),
+            extra={"config_digest": self.cfg.digest(), "init_dir": self.init_dir},
+        )
+
+    def load_state(self, state: CheckpointState) -> None:
+        self.live.module.load_state_dict(state.lora)
+        self.optimizer.load_state_dict(state.optimizer)
+
+    def save_outputs(self, step: int) -> tuple[Path, dict[str, Path]]:
+        model_dir = self.live.save(self.out_dir / "model")
+        info = {"stage": "grpo", "objective": OBJECTIVE, "step": step, "init_dir": self.init_dir,
+                "init_weights_digest": self.init_digest, "config_digest": self.cfg.digest(),
+                "weights_digest": weights_digest(self.live)}
+        (model_dir / RUN_INFO).write_text(json.dumps(info, indent=1))
+        return model_dir, {}
+
+    def close(self) -> None:
+        pass
+
+
+def build_grpo_loop(cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path,
+                    callbacks: list[Callback] | None = None, progress: bool | None = None) -> RunLoop:
+    gc = cfg.grpo
+    schedule = Schedule(steps=gc.steps, checkpoint_every=gc.checkpoint_every, keep_checkpoints=gc.keep_checkpoints)
+    return RunLoop(BDLMBackend(cfg, out_dir, init_dir), out_dir, schedule, cfg.to_dict(), callbacks=callbacks,
+                   progress=progress)
+
+
+def train_grpo(cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path, resume: str | Path | None = "auto",
+               stop_after: int | None = None, callbacks: list[Callback] | None = None,
+               progress: bool | None = None) -> RunResult:
+    """GRPO with exact trace replay from the model in ``init_dir`` (e.g. ``warm_start``'s output).
+    ``result.model_dir`` is the trained policy (``load_bdlm(result.model_dir)``)."""
+    loop = build_grpo_loop(cfg, out_dir, init_dir, callbacks=callbacks, progress=progress)
+    try:
+        return loop.run(resume=resume, stop_after=stop_after)
+    finally:
+        loop.close()

@@ -1,0 +1,151 @@
+"""``RankGroup``: the policy side of an image run as ``train.world_size`` trainer ranks in Ray actors.
+
+It has the interface of ``training.local_worker.LocalPolicyWorker`` so that
+``training.backend.ImageBackend`` drives either; the driver (the Flyte Ray task's process) keeps
+what is cheap and global: prompt sampling, reward scoring (Ray CPU actors), advantages, metrics,
+checkpoints. Per step:
+
+1. rollout: each engine rank samples its share of whole blocks (``shards.assign_blocks``); the
+   driver concatenates the shares (same per-sample seeds and micro-batches as one process);
+2. score + advantages over the whole batch (global std), in the backend;
+3. update: the driver replays the single-process schedule (``worker.grpo_plan``), each rank
+   trains on its share; metrics are reduced over ranks;
+4. push: every rank joins the LoRA gather, engine ranks push it to their engine (CUDA IPC when
+   colocated on a GPU, by value otherwise) and report the push time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusionrl.checkpoint import CheckpointState
+
+from .group import node_address_and_port
+from .placement import build_placement
+from .shards import assign_blocks, cat_trajectories, select_samples
+from .worker import TrainerRank, grpo_plan
+
+log = logging.getLogger(__name__)
+
+
+class RankGroup:
+    """``train.world_size`` ``TrainerRank`` actors placed by ``placement.build_placement``."""
+
+    def __init__(self, cfg, model_path: str | None = None, threads_per_rank: int = 1, engine_factory=None):
+        import ray
+
+        from diffusionrl.rewards.pool import ensure_ray
+
+        if cfg.algorithm.name != "flow_grpo":
+            raise ValueError(
+                f"train.world_size={cfg.train.world_size} supports algorithm.name=flow_grpo today, not "
+                f"{cfg.algorithm.name!r}; train {cfg.algorithm.name} with world_size=1"
+            )
+        self.cfg = cfg
+        tc = cfg.train
+        ensure_ray(max(2, tc.world_size * tc.cpus_per_bundle + cfg.reward.num_actors))
+        self.placement = build_placement(tc)
+        addr, port = node_address_and_port()
+        cls = ray.remote(TrainerRank)
+        self.ranks = [
+            cls.options(**self.placement.trainer_options(r, tc)).remote(
+                cfg.to_dict(), r, tc.world_size, addr, port, r < tc.rollout_engines, model_path, threads_per_rank,
+                engine_factory,
+            )
+            for r in range(tc.world_size)
+        ]
+        self.infos = ray.get([rank.info.remote() for rank in self.ranks])
+        if len({i["digest"] for i in self.infos}) != 1:
+            raise RuntimeError(f"trainer ranks loaded different base weights: {self.infos}")
+        self._digest = self.infos[0]["digest"]
+
+    def _all(self, method: str, *args) -> list:
+        import ray
+
+        return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks])
+
+    def digest(self) -> str:
+        return self._digest
+
+    def info(self) -> dict[str, Any]:
+        return {"world_size": self.cfg.train.world_size}
+
+    # -- one step ----------------------------------------------------------------------------------
+    def generate(self, prompts, group_ids, seeds, spec, mask, metadata):
+        import ray
+
+        tc = self.cfg.train
+        shares = assign_blocks(len(prompts), tc.group_size, tc.micro_batch_size, tc.rollout_engines)
+        refs = [
+            self.ranks[e].rollout.remote(prompts[sl], group_ids[sl], seeds[sl], spec, mask[sl], metadata[sl])
+            for e, sl in enumerate(shares)
+        ]
+        return cat_trajectories(ray.get(refs))
+
+    def train_step(self, traj, active: torch.Tensor, step: int) -> dict[str, float]:
+        import ray
+
+        tc = self.cfg.train
+        plan = grpo_plan(traj, active, tc, step)
+        shares = assign_blocks(traj.batch_size, tc.group_size, tc.micro_batch_size, tc.world_size)
+        m = traj.micro_batch_size
+        refs = [
+            rank.train_step.remote(select_samples(traj, sl), active[sl], plan, sl.start // m, step)
+            for rank, sl in zip(self.ranks, shares)
+        ]
+        return ray.get(refs)[0]
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        times = self._all("push_weights", version)[: self.cfg.train.rollout_engines]
+        return {"perf/update_weights_push_time": max(times)} if times else {}
+
+    # -- checkpoint state --------------------------------------------------------------------------
+    def checkpoint_parts(self) -> dict[str, Any]:
+        ema = self._all("ema_state")[0]
+        return {"lora": self._all("lora_state")[0], "optimizer": self._all("optimizer_state")[0],
+                "scaler": self._all("scaler_state")[0], "tensors": {"ema": ema} if ema is not None else {}}
+
+    def load_checkpoint_parts(self, state: CheckpointState) -> None:
+        """Also from a single-process checkpoint: the formats are the same."""
+        self._all("load_lora_state", state.lora)
+        self._all("load_optimizer_state", state.optimizer)
+        self._all("load_scaler_state", state.scaler)
+        if "ema" in state.tensors:
+            self._all("load_ema_state", state.tensors["ema"])
+
+    # -- outputs -----------------------------------------------------------------------------------
+    def save_lora(self, out_dir: Path, info: dict[str, Any]) -> tuple[Path, dict[str, Path]]:
+        from safetensors.torch import save_file
+
+        peft_config = self._all("peft_config")[0]
+
+        def write(folder: Path, tensors: dict[str, torch.Tensor], extra: dict) -> Path:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(folder / "adapter_model.safetensors"))
+            peft_config.save_pretrained(str(folder))
+            (folder / "diffusionrl.json").write_text(json.dumps({**info, **extra}, indent=1))
+            return folder
+
+        out = write(out_dir / "lora", self._all("peft_state")[0], {})
+        extra = {}
+        ema = self._all("ema_state")[0]
+        if ema is not None:
+            extra["ema"] = write(out_dir / "lora_ema", self._all("peft_state", ema)[0],
+                                 {"ema_decay": self.cfg.train.ema_decay})
+        return out, extra
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get([rank.close.remote() for rank in self.ranks], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+            log.warning("closing trainer ranks: %s", exc)
+        for rank in self.ranks:
+            ray.kill(rank)
+        self.placement.remove()

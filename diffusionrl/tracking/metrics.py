@@ -1,0 +1,96 @@
+"""``MetricLogger``: the training loop's per-step metrics (and sample images) streamed to a run."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from diffusionrl.callbacks import Callback
+
+from .artifacts import image_row
+from .store import client, with_retries
+
+log = logging.getLogger(__name__)
+
+
+class MetricLogger(Callback):
+    """Training-loop callback that streams per-step metrics (and sample images) to a run.
+
+    Metrics are buffered and flushed with ``log_batch`` after every step; a failing store is
+    retried with backoff, and what still fails stays buffered for the next flush, so an MLflow
+    outage never stops or loses the training (``metrics.jsonl`` in the run folder has every step
+    regardless). Steps already in the run (a resumed attempt) are not logged twice.
+    """
+
+    def __init__(self, uri: str, run_id: str, images_every: int = 0, attempts: int = 5, base_delay_s: float = 0.5):
+        self.uri = uri
+        self.run_id = run_id
+        self.images_every = images_every
+        self.attempts = attempts
+        self.base_delay_s = base_delay_s
+        self.buffer: list[Any] = []
+        self.failed_flushes = 0
+        self.logged_upto = self._logged_upto()
+
+    def _logged_upto(self) -> int:
+        try:
+            history = client(self.uri).get_metric_history(self.run_id, "perf/step_time")
+            return max((m.step for m in history), default=0)
+        except Exception:  # noqa: BLE001 - unknown is "nothing logged yet"
+            return 0
+
+    def on_step(self, loop, step: int, traj, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        if step <= self.logged_upto:
+            return
+        now = int(time.time() * 1000)
+        self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()
+                        if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        self.flush()
+        images = getattr(traj, "images", None)  # image trajectories have them, text traces do not
+        if self.images_every and step % self.images_every == 0 and images is not None:
+            row = image_row(images)
+            try:
+                with_retries(lambda: client(self.uri).log_image(self.run_id, row, key="rollout/samples", step=step),
+                             self.attempts, f"log_image step {step}", self.base_delay_s)
+            except Exception as exc:  # noqa: BLE001 - an image is not worth a training run
+                log.warning("sample images of step %d not logged: %s (they are in the run folder)", step, exc)
+
+    def flush(self) -> bool:
+        c = client(self.uri)
+        while self.buffer:
+            chunk = self.buffer[:1000]
+            try:
+                with_retries(lambda: c.log_batch(self.run_id, metrics=chunk), self.attempts, "MLflow log_batch",
+                             self.base_delay_s)
+            except Exception as exc:  # noqa: BLE001 - keep the metrics, try again next step
+                self.failed_flushes += 1
+                log.warning("MLflow unreachable (%s); %d metrics kept for the next flush", exc, len(self.buffer))
+                return False
+            del self.buffer[: len(chunk)]
+        return True
+
+    def on_end(self, loop) -> None:
+        if not self.flush():
+            log.error("%d metrics could not reach MLflow run %s; they are in %s", len(self.buffer), self.run_id,
+                      Path(loop.out_dir) / "metrics.jsonl")
+
+
+def log_metrics_file(run, stage_id: str, path: Path, attempts: int) -> None:
+    """Every numeric column of a ``metrics.jsonl`` (one JSON object per step, ``step`` key) as
+    metrics of ``stage_id``, in batches of 1000."""
+    import json
+
+    from mlflow.entities import Metric
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    metrics = [Metric(k, float(v), 0, int(r.get("step", i + 1)))
+               for i, r in enumerate(rows) for k, v in r.items() if k != "step" and isinstance(v, (int, float))]
+    c = client(run.uri)
+    for i in range(0, len(metrics), 1000):
+        with_retries(lambda chunk=metrics[i:i + 1000]: c.log_batch(stage_id, metrics=chunk), attempts,
+                     "MLflow log_batch")

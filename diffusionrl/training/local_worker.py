@@ -1,0 +1,113 @@
+"""``LocalPolicyWorker``: the policy side of a run in this process.
+
+It holds the family adapter, the LoRA policy, the trainer, the objective and the rollout engine;
+``training.backend.ImageBackend`` drives it (``distributed.ranks.RankGroup`` is the same interface
+over trainer ranks in Ray actors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from diffusionrl.checkpoint import CheckpointState
+from diffusionrl.models import load_adapter
+from diffusionrl.rollout.factory import make_engine
+from diffusionrl.trajectory import Trajectory
+
+from .objective import build_objective
+from .policy import LoraPolicy
+from .trainer import Trainer
+
+EngineFactory = Callable[..., Any]  # (cfg, adapter, policy) -> engine, like rollout.factory.make_engine
+
+
+class LocalPolicyWorker:
+    """Adapter, LoRA policy, trainer, objective and engine of one single-process run.
+
+    ``model_path`` loads the base weights from a fetched folder; the run's identity (checkpoint
+    metadata, lineage) stays ``cfg.model.name`` and the weights' digest.
+    """
+
+    def __init__(self, cfg, model_path: str | None = None, engine_factory: EngineFactory | None = None):
+        self.cfg = cfg
+        model_cfg = dataclasses.replace(cfg.model, name=model_path) if model_path else cfg.model
+        self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
+        self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
+        self.trainer = Trainer(cfg, self.policy)
+        self.objective = build_objective(cfg, self.policy)
+        self.engine = (engine_factory or make_engine)(cfg, self.adapter, self.policy)
+
+    def digest(self) -> str:
+        return self.adapter.digest()
+
+    def info(self) -> dict[str, Any]:
+        """What this layout adds to checkpoints and saved adapters (nothing for one process)."""
+        return {}
+
+    # -- one step --------------------------------------------------------------------------------
+    def generate(self, prompts, group_ids, seeds, spec, mask, metadata) -> Trajectory:
+        return self.engine.generate(prompts, group_ids, seeds, spec, mask, metadata)
+
+    def train_step(self, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
+        return self.objective.train_step(self.trainer, traj, active, step)
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Hand the engine the LoRA it samples with: the live policy, or the objective's own
+        (NFT's old policy). Returns extra perf metrics (none here)."""
+        getter = getattr(self.objective, "rollout_state", None)
+        self.engine.update_weights(getter() if getter else self.policy.lora_state(), version)
+        return {}
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """LoRA, optimizer, scaler and extra tensor groups (EMA, the objective's own)."""
+        trainer = self.trainer
+        tensors = {}
+        if trainer.ema is not None:
+            tensors["ema"] = trainer.ema.state()
+        extra_state = getattr(self.objective, "state_tensors", None)
+        if extra_state:
+            tensors.update(extra_state())
+        return {"lora": self.policy.lora_state(), "optimizer": trainer.optimizer.state_dict(),
+                "scaler": trainer.scaler.state_dict() if trainer.scaler.is_enabled() else {}, "tensors": tensors}
+
+    def load_checkpoint_parts(self, state: CheckpointState) -> None:
+        trainer = self.trainer
+        self.policy.load_lora_state(state.lora)
+        trainer.optimizer.load_state_dict(state.optimizer)
+        if state.scaler and trainer.scaler.is_enabled():
+            trainer.scaler.load_state_dict(state.scaler)
+        if trainer.ema is not None and "ema" in state.tensors:
+            device = self.adapter.device
+            trainer.ema.shadow = {k: v.to(device).clone() for k, v in state.tensors["ema"].items()}
+        loader = getattr(self.objective, "load_state_tensors", None)
+        if loader:
+            loader(state.tensors)
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def save_lora(self, out_dir: Path, info: dict[str, Any]) -> tuple[Path, dict[str, Path]]:
+        """The trained adapter in peft format (``adapter_model.safetensors``), and its EMA."""
+        out = out_dir / "lora"
+        self.policy.model.save_pretrained(str(out))
+        (out / "diffusionrl.json").write_text(json.dumps(info, indent=1))
+        extra = {}
+        if self.trainer.ema is not None:
+            ema_dir = out_dir / "lora_ema"
+            live = self.policy.lora_state()
+            self.policy.load_lora_state(self.trainer.ema.state())
+            try:
+                self.policy.model.save_pretrained(str(ema_dir))
+            finally:
+                self.policy.load_lora_state(live)
+            (ema_dir / "diffusionrl.json").write_text(
+                json.dumps({**info, "ema_decay": self.cfg.train.ema_decay}, indent=1))
+            extra["ema"] = ema_dir
+        return out, extra
+
+    def close(self) -> None:
+        self.engine.close()
