@@ -1,6 +1,8 @@
 """Config presets, files, overrides and the error messages."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +63,10 @@ def test_values_are_type_checked_and_yaml_style_floats_accepted(tmp_path):
         load_config(overrides=["train.steps=many"])
     with pytest.raises(ConfigError, match="must be a number"):
         load_config(overrides=["algorithm.kl_beta=true"])
+
+
+def test_machinery_and_presets_import_without_the_schema():
+    # diffusionrl.config imports diffusionrl.presets and diffusionrl.configtree, never the reverse.
+    code = ("import sys, diffusionrl.presets, diffusionrl.configtree; "
+            "assert 'diffusionrl.config' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -2,26 +2,26 @@
 
 Sections: ``model`` (network and decoding), ``task`` (the verifiable digit task and its splits),
 ``warm_start`` (masked-diffusion supervised stage), ``grpo`` (RL on exact traces) and ``eval``.
-Same conventions as the image ``Config``: every default lives here once, each field carries its
-help text, unknown keys and inconsistent settings are rejected with a message that says what to
-change, and the tree stays plain so that it travels as a Flyte dataclass input.
+Same conventions as the image ``Config`` (both are built on ``diffusionrl.configtree``): every
+default lives here once, each field carries its help text, unknown keys and inconsistent settings
+are rejected with a message that says what to change, and the tree stays plain so that it travels
+as a Flyte dataclass input.
 """
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffusionrl.config import (
+from diffusionrl.config import TrackingConfig
+from diffusionrl.configtree import (
     ConfigError,
     ConfigTree,
-    TrackingConfig,
-    _choice,
-    _f,
-    _merge,
-    _positive,
     apply_overrides,
+    check_choice,
+    check_positive,
+    lookup_preset,
+    option,
 )
 
 TASK_KINDS = ("reverse", "sort", "add")
@@ -29,24 +29,26 @@ TASK_KINDS = ("reverse", "sort", "add")
 
 @dataclass
 class BDLMModelConfig:
-    name: str = _f("builtin:tiny-bdlm", "Model: 'builtin:tiny-bdlm' (built in code) or a saved model folder")
-    dim: int = _f(96, "builtin: hidden size")
-    layers: int = _f(3, "builtin: transformer blocks")
-    heads: int = _f(4, "builtin: attention heads (must divide dim)")
-    ff_dim: int = _f(256, "builtin: feed-forward hidden size")
-    max_length: int = _f(32, "builtin: longest canvas (prompt region + gen_length) the position table holds")
-    init_seed: int = _f(0, "builtin: seed of the random initial weights")
-    gen_length: int = _f(8, "Generated tokens per sample (answer + EOS + EOS padding)")
-    block_size: int = _f(4, "Semi-autoregressive block: positions decoded before the next block opens")
-    temperature: float = _f(1.0, "Rollout proposal temperature T in softmax(logits / T)")
-    threshold: float = _f(0.9, "Commit every position whose confidence (max prob) >= threshold")
+    name: str = option("builtin:tiny-bdlm", "Model: 'builtin:tiny-bdlm' (built in code) or a saved model folder")
+    dim: int = option(96, "builtin: hidden size")
+    layers: int = option(3, "builtin: transformer blocks")
+    heads: int = option(4, "builtin: attention heads (must divide dim)")
+    ff_dim: int = option(256, "builtin: feed-forward hidden size")
+    max_length: int = option(32, "builtin: longest canvas (prompt region + gen_length) the position table holds")
+    init_seed: int = option(0, "builtin: seed of the random initial weights")
+    gen_length: int = option(8, "Generated tokens per sample (answer + EOS + EOS padding)")
+    block_size: int = option(4, "Semi-autoregressive block: positions decoded before the next block opens")
+    temperature: float = option(1.0, "Rollout proposal temperature T in softmax(logits / T)")
+    threshold: float = option(0.9, "Commit every position whose confidence (max prob) >= threshold")
 
     def __post_init__(self) -> None:
         for name in ("dim", "layers", "heads", "ff_dim", "max_length", "gen_length", "block_size"):
-            _positive("model", name, getattr(self, name))
-        _positive("model", "temperature", self.temperature)
+            check_positive("model", name, getattr(self, name))
+        check_positive("model", "temperature", self.temperature)
         if self.dim % self.heads:
-            raise ConfigError(f"model.heads={self.heads} does not divide model.dim={self.dim}; use heads=4 or dim={self.heads * 32}")
+            raise ConfigError(
+                f"model.heads={self.heads} does not divide model.dim={self.dim}; use heads=4 or dim={self.heads * 32}"
+            )
         if self.gen_length % self.block_size:
             raise ConfigError(
                 f"model.gen_length={self.gen_length} is not a multiple of model.block_size={self.block_size}; "
@@ -58,22 +60,22 @@ class BDLMModelConfig:
 
 @dataclass
 class TaskConfig:
-    kind: str = _f("sort", "Digit task: reverse | sort | add (two operands)")
-    min_len: int = _f(3, "Shortest digit string (per operand for add)")
-    max_len: int = _f(6, "Longest digit string (per operand for add)")
-    num_train: int = _f(4000, "Distinct training prompts generated")
-    num_test: int = _f(200, "Distinct held-out prompts (disjoint from train)")
-    seed: int = _f(0, "Seed of the generator and the split")
-    partial_weight: float = _f(0.5, "Reward = exact match + partial_weight * share of correct positions")
+    kind: str = option("sort", "Digit task: reverse | sort | add (two operands)")
+    min_len: int = option(3, "Shortest digit string (per operand for add)")
+    max_len: int = option(6, "Longest digit string (per operand for add)")
+    num_train: int = option(4000, "Distinct training prompts generated")
+    num_test: int = option(200, "Distinct held-out prompts (disjoint from train)")
+    seed: int = option(0, "Seed of the generator and the split")
+    partial_weight: float = option(0.5, "Reward = exact match + partial_weight * share of correct positions")
 
     def __post_init__(self) -> None:
-        _choice("task", "kind", self.kind, TASK_KINDS)
-        _positive("task", "min_len", self.min_len)
+        check_choice("task", "kind", self.kind, TASK_KINDS)
+        check_positive("task", "min_len", self.min_len)
         if self.max_len < self.min_len:
             raise ConfigError(f"task.max_len={self.max_len} < task.min_len={self.min_len}")
-        _positive("task", "num_train", self.num_train)
-        _positive("task", "num_test", self.num_test)
-        _positive("task", "partial_weight", self.partial_weight, allow_zero=True)
+        check_positive("task", "num_train", self.num_train)
+        check_positive("task", "num_test", self.num_test)
+        check_positive("task", "partial_weight", self.partial_weight, allow_zero=True)
 
     @property
     def prompt_length(self) -> int:
@@ -87,53 +89,55 @@ class TaskConfig:
 
 @dataclass
 class WarmStartConfig:
-    steps: int = _f(150, "Masked-diffusion supervised steps before GRPO")
-    lr: float = _f(3e-3, "AdamW learning rate")
-    batch_size: int = _f(64, "Sequences per step")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    seed: int = _f(0, "Seed of batches and mask ratios")
+    steps: int = option(150, "Masked-diffusion supervised steps before GRPO")
+    lr: float = option(3e-3, "AdamW learning rate")
+    batch_size: int = option(64, "Sequences per step")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    seed: int = option(0, "Seed of batches and mask ratios")
 
     def __post_init__(self) -> None:
-        _positive("warm_start", "steps", self.steps, allow_zero=True)
-        _positive("warm_start", "lr", self.lr)
-        _positive("warm_start", "batch_size", self.batch_size)
+        check_positive("warm_start", "steps", self.steps, allow_zero=True)
+        check_positive("warm_start", "lr", self.lr)
+        check_positive("warm_start", "batch_size", self.batch_size)
 
 
 @dataclass
 class GRPOConfig:
-    steps: int = _f(60, "RL steps (rollout + update)")
-    prompts_per_step: int = _f(16, "Distinct prompts (groups) per step")
-    group_size: int = _f(8, "Samples per prompt k")
-    micro_batch_size: int = _f(32, "Rows per forward; rollout and replay use the same composition")
-    inner_iterations: int = _f(2, "Optimizer steps per rollout batch (old policy = start-of-step snapshot)")
-    clip_range: float = _f(0.2, "PPO ratio clip epsilon (per-token log-probs, hence the usual 0.2)")
-    kl_beta: float = _f(0.01, "Weight of the exact categorical KL to the reference (0 skips the reference pass)")
-    adv_clip_max: float = _f(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
-    global_std: bool = _f(False, "Normalise advantages by the batch std instead of the group std")
-    lr: float = _f(2e-4, "AdamW learning rate")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables)")
-    seed: int = _f(0, "Seed of prompts and sample seeds")
-    checkpoint_every: int = _f(10, "Save a resumable checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = _f(2, "How many recent checkpoints to keep")
-    save_traces: bool = _f(True, "Write each step's traces to traces/step-XXXXXX.parquet")
-    sequence_packing: bool = _f(False, "Pack several sequences per row (not supported: replay needs one per row)")
+    steps: int = option(60, "RL steps (rollout + update)")
+    prompts_per_step: int = option(16, "Distinct prompts (groups) per step")
+    group_size: int = option(8, "Samples per prompt k")
+    micro_batch_size: int = option(32, "Rows per forward; rollout and replay use the same composition")
+    inner_iterations: int = option(2, "Optimizer steps per rollout batch (old policy = start-of-step snapshot)")
+    clip_range: float = option(0.2, "PPO ratio clip epsilon (per-token log-probs, hence the usual 0.2)")
+    kl_beta: float = option(0.01, "Weight of the exact categorical KL to the reference (0 skips the reference pass)")
+    adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
+    global_std: bool = option(False, "Normalise advantages by the batch std instead of the group std")
+    lr: float = option(2e-4, "AdamW learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (0 disables)")
+    seed: int = option(0, "Seed of prompts and sample seeds")
+    checkpoint_every: int = option(10, "Save a resumable checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = option(2, "How many recent checkpoints to keep")
+    save_traces: bool = option(True, "Write each step's traces to traces/step-XXXXXX.parquet")
+    sequence_packing: bool = option(False, "Pack several sequences per row (not supported: replay needs one per row)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "inner_iterations"):
-            _positive("grpo", name, getattr(self, name))
-        _positive("grpo", "clip_range", self.clip_range)
-        _positive("grpo", "kl_beta", self.kl_beta, allow_zero=True)
-        _positive("grpo", "adv_clip_max", self.adv_clip_max)
-        _positive("grpo", "lr", self.lr)
-        _positive("grpo", "max_grad_norm", self.max_grad_norm, allow_zero=True)
+            check_positive("grpo", name, getattr(self, name))
+        check_positive("grpo", "clip_range", self.clip_range)
+        check_positive("grpo", "kl_beta", self.kl_beta, allow_zero=True)
+        check_positive("grpo", "adv_clip_max", self.adv_clip_max)
+        check_positive("grpo", "lr", self.lr)
+        check_positive("grpo", "max_grad_norm", self.max_grad_norm, allow_zero=True)
         if self.sequence_packing:
             raise ConfigError(
                 "grpo.sequence_packing=true is not supported: trace replay re-masks whole rows by commit "
                 "step, so a row must hold exactly one sequence; set grpo.sequence_packing=false"
             )
         if self.group_size < 2:
-            raise ConfigError(f"grpo.group_size={self.group_size}: GRPO needs >= 2 samples per prompt for a group baseline")
+            raise ConfigError(
+                f"grpo.group_size={self.group_size}: GRPO needs >= 2 samples per prompt for a group baseline"
+            )
         batch = self.prompts_per_step * self.group_size
         if batch % self.micro_batch_size:
             fit = next(m for m in range(self.micro_batch_size, 0, -1) if batch % m == 0)
@@ -145,14 +149,16 @@ class GRPOConfig:
 
 @dataclass
 class BDLMEvalConfig:
-    batch_size: int = _f(100, "Rows per greedy decoding batch")
-    num_samples: int = _f(0, "Held-out prompts evaluated (0 = the whole test split)")
-    threshold: float = _f(0.9, "Commit threshold of the greedy evaluation decoder")
-    champion_margin: float = _f(0.0, "Registry: promote to champion only if eval/reward_mean is better by more than this")
+    batch_size: int = option(100, "Rows per greedy decoding batch")
+    num_samples: int = option(0, "Held-out prompts evaluated (0 = the whole test split)")
+    threshold: float = option(0.9, "Commit threshold of the greedy evaluation decoder")
+    champion_margin: float = option(
+        0.0, "Registry: promote to champion only if eval/reward_mean is better by more than this"
+    )
 
     def __post_init__(self) -> None:
-        _positive("eval", "batch_size", self.batch_size)
-        _positive("eval", "num_samples", self.num_samples, allow_zero=True)
+        check_positive("eval", "batch_size", self.batch_size)
+        check_positive("eval", "num_samples", self.num_samples, allow_zero=True)
         if not 0 < self.threshold <= 1:
             raise ConfigError(f"eval.threshold={self.threshold} must be in (0, 1]")
 
@@ -175,7 +181,7 @@ class BDLMConfig(ConfigTree):
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: BDLMEvalConfig = field(default_factory=BDLMEvalConfig)
     tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(registered_model="tiny-bdlm-sort"))
-    preset: str = _f("tiny-bdlm", "Name of the preset this config started from (informational)")
+    preset: str = option("tiny-bdlm", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
         need = self.task.max_answer_length + 1
@@ -220,12 +226,9 @@ PRESETS = {"tiny-bdlm": _tiny_bdlm}
 def load_bdlm_config(preset: str = "tiny-bdlm", overrides: list[str] | None = None,
                      data: dict[str, Any] | None = None) -> BDLMConfig:
     """Preset + an optional dict laid over it + dotted ``section.key=value`` overrides."""
-    if preset not in PRESETS:
-        hint = difflib.get_close_matches(preset, list(PRESETS), n=1)
-        extra = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise ConfigError(f"unknown bdlm preset {preset!r}; known presets: {', '.join(PRESETS)}{extra}")
-    base = _merge(BDLMConfig().to_dict(), PRESETS[preset](), f"preset {preset}")
+    changes = lookup_preset(PRESETS, preset, "bdlm preset")()
+    base = BDLMConfig.merge_dicts(BDLMConfig().to_dict(), changes, f"preset {preset}")
     base["preset"] = preset
     if data:
-        base = _merge(base, data, "bdlm config")
+        base = BDLMConfig.merge_dicts(base, data, "bdlm config")
     return BDLMConfig.from_dict(apply_overrides(base, overrides or []), where=f"preset {preset}")

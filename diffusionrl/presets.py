@@ -1,0 +1,151 @@
+"""Named configurations of the image ``Config`` (``tiny-cpu``, ``sd35m-ocr``, ...).
+
+A preset is a sequence of change sets: partial config dicts that ``diffusionrl.config.get_preset``
+lays, in order, over the schema's defaults (``Config.merge_dicts``: sections key by key, leaves
+replaced whole, unknown keys rejected). Presets built on presets list their parent's change sets
+first. ``configs/<preset>.yaml`` holds each preset's full dump (``python -m diffusionrl.config
+--preset NAME``); ``tests/test_config_files.py`` checks that they agree.
+
+This module holds data only: it imports no schema, so ``diffusionrl.config`` can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusionrl.configtree import lookup_preset
+
+# The attention projections the SD3.5 reference recipes adapt: the schema's default
+# ``model.lora_targets`` (diffusionrl.config) and the base of the tiny presets' list.
+SD3_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
+
+# The embedded default: Flow-GRPO on builtin:tiny-sd3 at 64 px, JPEG compressibility.
+# Chosen so that the reward visibly rises within minutes on a 2-core CPU (bench/learning.py):
+# the "Fast" regime (a 2-step SDE window, so most steps are cheap ODE steps and credit is
+# concentrated), 8 groups of 8 for a less noisy gradient, LoRA also on the feed-forward and
+# output projections, and a learning rate suited to a 0.3 M-parameter random transformer.
+# With the reference recipe's attention-only adapter at 3e-4 the reward does not move.
+TINY_CPU: dict[str, Any] = {
+    "model": {"lora_targets": SD3_LORA_TARGETS + ["proj_out", "ff.net.0.proj", "ff.net.2"]},
+    "sampling": {"step_strategy": "sde_window", "num_sde_steps": 2, "window_range": [0, 5]},
+    "train": {"prompts_per_step": 8, "group_size": 8, "micro_batch_size": 8, "learning_rate": 1e-2},
+}
+
+# What the SD3.5-medium recipes share on GPUs (not a preset by itself): the gated hub model in
+# fp16 with an fp32 LoRA (r32, alpha 64), 512 px and 10 sampling steps, fp16 forward with a grad
+# scaler, EMA 0.9 for evaluation (40 ODE steps), checkpoints every 20 steps, no latents in the
+# trajectory Parquet.
+SD35M_GPU: dict[str, Any] = {
+    "model": {
+        "name": "stabilityai/stable-diffusion-3.5-medium",
+        "dtype": "float16",
+        "device": "cuda",
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "gradient_checkpointing": True,
+    },
+    "sampling": {"resolution": 512, "num_steps": 10},
+    "train": {
+        "steps": 1000,
+        "micro_batch_size": 8,
+        "learning_rate": 3e-4,
+        "mixed_precision": "fp16",
+        "memory_handoff": True,
+        "offload_optimizer": True,
+        "ema": True,
+        "ema_decay": 0.9,
+        "checkpoint_every": 20,
+        "log_images_every": 20,
+        "save_latents": False,
+    },
+    "eval": {"num_steps": 40, "num_prompts": 1024},
+}
+
+# Over SD35M_GPU: the Flow-GRPO reference recipe (ALGORITHMS.md section 9): OCR reward, 48 groups of 16.
+SD35M_OCR: dict[str, Any] = {
+    "model": {"max_sequence_length": 256},
+    "sampling": {"guidance_scale": 4.5, "noise_level": 0.7},
+    "algorithm": {"clip_range": 1e-4, "kl_beta": 0.04, "adv_clip_max": 5.0, "global_std": True},
+    "reward": {"weights": {"ocr": 1.0}, "num_actors": 8},
+    # The reference layout: 2 GPUs, each a trainer rank (FSDP2) + an SGLang engine (docs/scaling.md).
+    "train": {"prompts_per_step": 48, "group_size": 16, "minibatches": 2, "world_size": 2,
+              "placement": "colocate", "rollout_engines": 2, "cpus_per_bundle": 4},
+    "eval": {"guidance_scale": 4.5},
+    "data": {"source": "builtin:ocr", "num_prompts": 20000, "test_fraction": 0.05},
+    "tracking": {"registered_model": "sd35m-ocr"},
+}
+
+# Over TINY_CPU: OCR prompts + OCR reward scored by Ray CPU actors on the tiny model: it will not
+# learn to write on a CPU, it proves the plumbing of the reference recipe end to end.
+TINY_CPU_OCR: dict[str, Any] = {
+    "reward": {"weights": {"ocr": 1.0}, "num_actors": 2},
+    "data": {"source": "builtin:ocr", "num_prompts": 256},
+    "tracking": {"registered_model": "tiny-sd3-ocr"},
+    "sampling": {"resolution": 128},
+    "train": {"prompts_per_step": 4},
+}
+
+# Over TINY_CPU: DiffusionNFT on the tiny model: tiny-cpu's model, data and batch, CFG-free ODE
+# rollouts of the EMA old policy (ALGORITHMS.md 7), the reference's KL weight and guidance strength.
+# LoRA on the feed-forward and output projections too, and a larger learning rate: with the
+# attention-only adapter at 3e-4 the tiny model's jpeg reward does not move within minutes;
+# with these it gains ~8 first-step stds in 40 steps (bench/learning.py --compare nft).
+TINY_CPU_NFT: dict[str, Any] = {
+    "model": {"lora_targets": SD3_LORA_TARGETS + ["proj_out", "ff.net.0.proj", "ff.net.2"]},
+    "train": {"learning_rate": 1e-2},
+    "algorithm": {"name": "nft", "kl_beta": 0.0001, "nft_beta": 1.0},
+    "sampling": {"guidance_scale": 1.0},
+    "reward": {"weights": {"jpeg_compressibility": 1.0}},
+    "eval": {"guidance_scale": 1.0},
+}
+
+# Over SD35M_GPU: DiffusionNFT's SD3.5-medium PickScore recipe (its config/nft.py sd3_pickscore,
+# decay type 1) on one GPU: 8 groups of 8 instead of 48 x 24 over 8 GPUs, one optimizer step per
+# rollout. The reference samples with a second-order DPM solver; ours are Euler ODE steps.
+SD35M_PICKSCORE_NFT: dict[str, Any] = {
+    "model": {"max_sequence_length": 128},
+    "sampling": {"guidance_scale": 1.0},
+    "algorithm": {
+        "name": "nft",
+        "kl_beta": 0.0001,
+        "nft_beta": 1.0,
+        "nft_adv_clip": 5.0,
+        "adv_clip_max": 5.0,
+        "global_std": True,
+        "old_policy_rate": 0.001,
+        "old_policy_flat": 0,
+        "old_policy_cap": 0.5,
+    },
+    "reward": {"weights": {"pickscore": 1.0}},
+    "tracking": {"registered_model": "sd35m-pickscore"},
+    "train": {"prompts_per_step": 8, "group_size": 8, "minibatches": 1},
+    "eval": {"guidance_scale": 1.0},
+}
+
+# Over TINY_CPU: rollouts from a real SGLang diffusion server (CPU, fp32) that this run launches
+# from .venv-sglang (`make sglang-env`); LoRA pushed as merged weights, checksum-verified.
+TINY_CPU_SGLANG: dict[str, Any] = {"sampling": {"engine": "sglang", "sglang_verify_weights": True}}
+
+# Preset name -> its change sets, laid over the schema's defaults in this order.
+PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
+    "tiny-cpu": (TINY_CPU,),
+    "tiny-cpu-sglang": (TINY_CPU, TINY_CPU_SGLANG),
+    "tiny-cpu-ocr": (TINY_CPU, TINY_CPU_OCR),
+    "sd35m-ocr": (SD35M_GPU, SD35M_OCR),
+    "tiny-cpu-nft": (TINY_CPU, TINY_CPU_NFT),
+    "sd35m-pickscore-nft": (SD35M_GPU, SD35M_PICKSCORE_NFT),
+}
+
+
+def preset_changes(name: str) -> tuple[dict[str, Any], ...]:
+    """The change sets of preset ``name``; an unknown name is a ``ConfigError`` with a suggestion."""
+    return lookup_preset(PRESETS, name)
