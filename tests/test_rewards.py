@@ -1,12 +1,25 @@
 """Reward registry, JPEG rewards, the mixture and failure counting."""
 
 import io
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from diffusionrl.config import RewardConfig
-from diffusionrl.rewards import MixtureReward, RewardResult, build_reward, reward_metrics, safe_score
+from diffusionrl.rewards import (
+    MixtureReward,
+    Reward,
+    RewardResult,
+    build_reward,
+    prompt_validator,
+    register_reward,
+    reward_metrics,
+    safe_score,
+)
+from diffusionrl.rewards.base import _REGISTRY
 
 
 def _images():
@@ -46,3 +59,40 @@ def test_a_failing_sample_scores_zero_and_is_counted():
     assert result.scores.tolist() == [1.0, 0.0]
     corrupt = build_reward("jpeg_compressibility", RewardConfig())([np.zeros((3,), np.uint8)], ["x"], [{}])
     assert corrupt.failures == 1 and corrupt.scores.tolist() == [0.0]
+
+
+def test_prompt_validator_runs_each_configured_rewards_own_check():
+    assert prompt_validator(RewardConfig(weights={"jpeg_compressibility": 1.0})) is None  # no reward checks prompts
+    seen = []
+
+    @register_reward("test_needs_x")
+    class NeedsX(Reward):
+        name = "test_needs_x"
+
+        @classmethod
+        def validate_prompts(cls, prompts, metadata=None, source="prompts"):
+            seen.append((list(prompts), list(metadata), source))
+            if any("x" not in p for p in prompts):
+                raise ValueError(f"{source}: a prompt without x")
+
+    try:
+        validate = prompt_validator(RewardConfig(weights={"jpeg_compressibility": 1.0, "test_needs_x": 1.0}))
+        rows = [{"prompt": "x1", "k": 1}, {"prompt": "x2"}]
+        validate(rows, "f.jsonl (train)")
+        assert seen == [(["x1", "x2"], rows, "f.jsonl (train)")]
+        with pytest.raises(ValueError, match=r"^f\.jsonl \(test\): a prompt without x$"):
+            validate([{"prompt": "y"}], "f.jsonl (test)")
+        ocr_first = prompt_validator(RewardConfig(weights={"ocr": 1.0, "test_needs_x": 1.0}))
+        with pytest.raises(ValueError, match=r"^g: row 0 has no text for the OCR reward"):
+            ocr_first([{"prompt": "y"}], "g")
+    finally:
+        del _REGISTRY["test_needs_x"]
+
+
+def test_rewards_import_and_prompt_validator_without_torch():
+    code = (
+        "import sys; from diffusionrl.config import RewardConfig; from diffusionrl.rewards import prompt_validator; "
+        "prompt_validator(RewardConfig(weights={'ocr': 1.0, 'pickscore': 1.0}))([{'prompt': 'a \"A\"'}], 'x'); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,16 +1,15 @@
-"""Rewards: a registry with one signature, ``(images, prompts, metadata) -> RewardResult``."""
+"""Rewards: a registry with one signature, ``(images, prompts, metadata) -> RewardResult``.
 
-from .base import (
-    MixtureReward,
-    Reward,
-    RewardResult,
-    available_rewards,
-    build_reward,
-    make_scorer,
-    register_reward,
-    reward_metrics,
-    safe_score,
-)
+``base`` is the contract (``Reward``, ``RewardResult``, ``register_reward``), ``registry`` the
+lookup by name, ``mixture`` the weighted sum, ``pool`` the Ray CPU actors, ``factory`` what a
+``reward`` config section asks for (``make_scorer``, ``prompt_validator``). Importing the package
+does not import torch.
+"""
+
+from .base import Reward, RewardResult, register_reward, reward_threads, safe_score, set_reward_threads
+from .factory import make_scorer, prompt_validator
+from .mixture import MixtureReward, reward_metrics
+from .registry import available_rewards, build_reward, prompt_check
 
 __all__ = [
     "MixtureReward",
@@ -19,7 +18,11 @@ __all__ = [
     "available_rewards",
     "build_reward",
     "make_scorer",
+    "prompt_check",
+    "prompt_validator",
     "register_reward",
     "reward_metrics",
+    "reward_threads",
     "safe_score",
+    "set_reward_threads",
 ]

@@ -1,19 +1,29 @@
-"""Reward registry: every reward has one signature, ``(images, prompts, metadata) -> RewardResult``.
+"""The reward contract: every reward has one signature, ``(images, prompts, metadata) -> RewardResult``.
 
 ``images`` is a uint8 array ``[B, H, W, 3]``, ``prompts`` a list of B strings, ``metadata`` a list
 of B dicts (dataset fields such as an OCR target). A reward never raises for one bad sample: it
-scores it 0 and counts it in ``failures``.
+scores it 0 and counts it in ``failures``. A prompt the reward can never score (a data error) is
+reported by its ``validate_prompts``, before any image is made.
+
+This module knows no reward by name and imports none: rewards import it and register themselves
+with ``@register_reward(name)``; ``registry`` looks them up, ``mixture`` sums them, ``pool`` scores
+them on Ray actors and ``factory`` builds the scorer and the prompt check a config asks for.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Sequence
 
 import numpy as np
 
 log = logging.getLogger(__name__)
+
+# Intra-op threads a reward's own thread pools may use in this process (0 or unset: the library's
+# default). The actor pool sets it in each actor before building its rewards; see set_reward_threads.
+THREADS_ENV = "DIFFUSIONRL_REWARD_THREADS"
 
 
 @dataclass
@@ -26,17 +36,52 @@ class RewardResult:
         self.scores = np.asarray(self.scores, dtype=np.float32).reshape(-1)
 
 
-class Reward(Protocol):
-    name: str
+class Reward:
+    """Base class of the rewards: subclass it, set ``name``, define ``__call__`` and register the class.
 
-    def __call__(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> RewardResult: ...
+    ``from_config`` builds the reward from the ``reward`` config section (default ``cls(reward_cfg)``);
+    ``validate_prompts`` checks prompts without building anything (default: every prompt is fine);
+    ``close`` frees what the reward holds. A plain callable with a ``name`` works wherever a built
+    reward is expected (``MixtureReward(rewards=...)``).
+    """
+
+    name: str = "reward"
+
+    @classmethod
+    def from_config(cls, reward_cfg) -> Reward:
+        return cls(reward_cfg)
+
+    @classmethod
+    def validate_prompts(cls, prompts: Sequence[str], metadata: Sequence[dict] | None = None,
+                         source: str = "prompts") -> None:
+        """Raise ``ValueError`` naming ``source`` and the first row this reward cannot score.
+
+        ``source`` says where the rows come from (a file path, "ocr reward batch") for the message.
+        """
+
+    def __call__(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> RewardResult:
+        raise NotImplementedError(f"{type(self).__name__} does not define __call__")
+
+    def close(self) -> None:
+        """Free models, sessions or processes the reward holds (default: nothing to free)."""
+
+
+def validates_prompts(reward_type) -> bool:
+    """True if ``reward_type`` defines its own ``validate_prompts`` (not the contract's no-op)."""
+    method = getattr(reward_type, "validate_prompts", None)
+    return method is not None and getattr(method, "__func__", method) is not Reward.validate_prompts.__func__
 
 
 _REGISTRY: dict[str, Callable[..., Reward]] = {}
 
 
 def register_reward(name: str):
-    """Class/function decorator: ``factory(reward_cfg) -> Reward`` under ``name``."""
+    """Class/function decorator registering a reward under ``name``.
+
+    A class is built with ``cls.from_config(reward_cfg)`` (a ``Reward`` subclass inherits one) and
+    checks prompts with its ``validate_prompts``; a function is a factory ``factory(reward_cfg) -> Reward``
+    whose rewards check no prompts.
+    """
 
     def wrap(factory):
         if name in _REGISTRY:
@@ -47,29 +92,19 @@ def register_reward(name: str):
     return wrap
 
 
-def available_rewards() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
+def set_reward_threads(threads: int) -> None:
+    """Cap the intra-op threads of the rewards built after this call in this process.
+
+    Sets ``$DIFFUSIONRL_REWARD_THREADS`` (read by ``reward_threads()``, e.g. for onnxruntime) and
+    ``OMP_NUM_THREADS`` (read by torch when it starts): call it before any reward is built.
+    """
+    os.environ[THREADS_ENV] = str(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-def build_reward(name: str, reward_cfg) -> Reward:
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown reward {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](reward_cfg)
-
-
-def _load_builtin() -> None:
-    # Importing the modules registers their rewards; optional heavy ones import lazily inside.
-    from . import jpeg  # noqa: F401
-
-    for optional in ("ocr", "pickscore"):
-        try:
-            __import__(f"{__package__}.{optional}")
-        except ModuleNotFoundError as exc:  # module not written yet / optional extra missing
-            if exc.name and exc.name.endswith(optional):
-                continue
-            raise
+def reward_threads() -> int:
+    """The thread cap ``set_reward_threads`` set for this process; 0 when none was set."""
+    return max(0, int(os.environ.get(THREADS_ENV, "0") or 0))
 
 
 def safe_score(fn: Callable[[np.ndarray, str, dict], float], images, prompts, metadata, name: str) -> RewardResult:
@@ -86,58 +121,3 @@ def safe_score(fn: Callable[[np.ndarray, str, dict], float], images, prompts, me
             failures += 1
             log.warning("reward %s failed on sample %d (%s): %s", name, i, prompt[:60], exc)
     return RewardResult(scores, failures)
-
-
-class MixtureReward:
-    """Weighted sum of registered rewards; every component is reported as well."""
-
-    def __init__(self, weights: dict[str, float], reward_cfg, rewards: dict[str, Reward] | None = None):
-        self.weights = dict(weights)
-        self.rewards = rewards or {name: build_reward(name, reward_cfg) for name in self.weights}
-        self.name = "+".join(f"{w:g}*{n}" for n, w in self.weights.items())
-
-    def __call__(self, images, prompts, metadata) -> tuple[np.ndarray, dict[str, RewardResult]]:
-        total = np.zeros(len(prompts), dtype=np.float32)
-        parts: dict[str, RewardResult] = {}
-        for name, weight in self.weights.items():
-            result = self.rewards[name](images, prompts, metadata)
-            parts[name] = result
-            total += np.float32(weight) * result.scores
-        return total, parts
-
-    def close(self) -> None:
-        for reward in self.rewards.values():
-            close = getattr(reward, "close", None)
-            if close:
-                close()
-
-
-def reward_metrics(total: np.ndarray, parts: dict[str, RewardResult], prefix: str = "rollout/reward") -> dict[str, float]:
-    """The ALGORITHMS.md section-10 reward metrics of one batch."""
-    out = {
-        f"{prefix}/raw_mean": float(np.mean(total)),
-        f"{prefix}/raw_std": float(np.std(total)),
-        f"{prefix}/raw_min": float(np.min(total)),
-        f"{prefix}/raw_max": float(np.max(total)),
-        f"{prefix}/raw_median": float(np.median(total)),
-        f"{prefix}/num_samples": float(len(total)),
-    }
-    for name, result in parts.items():
-        out[f"{prefix}/{name}_mean"] = float(np.mean(result.scores))
-        out[f"{prefix}/{name}_failures"] = float(result.failures)
-        for key, value in result.info.items():
-            out[f"{prefix}/{name}_{key}"] = float(value)
-    return out
-
-
-def make_scorer(reward_cfg):
-    """The scorer the training loop calls: ``scorer(images, prompts, metadata) -> (total, parts)``.
-
-    In-process ``MixtureReward`` when ``reward_cfg.num_actors == 0``, else a pool of Ray CPU actors
-    with the same call signature (``diffusionrl.rewards.pool.RewardActorPool``).
-    """
-    if reward_cfg.num_actors > 0:
-        from .pool import RewardActorPool
-
-        return RewardActorPool(reward_cfg)
-    return MixtureReward(reward_cfg.weights, reward_cfg)

@@ -7,7 +7,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from .base import RewardResult, register_reward, safe_score
+from .base import Reward, RewardResult, register_reward, safe_score
 
 
 def jpeg_size_kb(image: np.ndarray, quality: int = 95) -> float:
@@ -19,7 +19,7 @@ def jpeg_size_kb(image: np.ndarray, quality: int = 95) -> float:
     return buffer.tell() / 1000.0
 
 
-class JpegReward:
+class JpegReward(Reward):
     def __init__(self, sign: float, name: str):
         self.sign = sign
         self.name = name

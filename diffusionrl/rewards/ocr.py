@@ -18,7 +18,6 @@ A prompt without a quoted target is a data error and raises ``ValueError``.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -26,13 +25,12 @@ from typing import Protocol, Sequence
 import numpy as np
 from rapidfuzz.distance import Levenshtein
 
-from .base import RewardResult, register_reward
+from .base import Reward, RewardResult, register_reward, reward_threads
 
 log = logging.getLogger(__name__)
 
 # Straight quotes first; typographic quotes are accepted too because prompt writers paste them.
 _QUOTED = re.compile(r'"([^"]*)"|\u201c([^\u201d]*)\u201d')
-THREADS_ENV = "DIFFUSIONRL_OCR_THREADS"  # onnxruntime intra-op threads; the actor pool sets it per actor
 
 
 # ----------------------------------------------------------------------------- targets and scoring
@@ -61,7 +59,8 @@ def ocr_target(prompt: str, meta: dict | None = None) -> str | None:
     return str(text)
 
 
-def validate_ocr_prompts(prompts: Sequence[str], metadata: Sequence[dict] | None = None, source: str = "prompts") -> list[str]:
+def validate_ocr_prompts(prompts: Sequence[str], metadata: Sequence[dict] | None = None,
+                         source: str = "prompts") -> list[str]:
     """The OCR target of every row; ``ValueError`` naming the first bad row if any has none.
 
     ``source`` says where the rows come from (a file path, "reward batch") for the message.
@@ -119,7 +118,7 @@ def as_rgb_uint8(image) -> np.ndarray:
 
 def _resolve_threads(threads: int | None) -> int:
     if threads is None:
-        threads = int(os.environ.get(THREADS_ENV, "0") or 0)
+        return reward_threads()  # the actor pool's per-actor cap ($DIFFUSIONRL_REWARD_THREADS)
     return max(0, int(threads))
 
 
@@ -129,7 +128,7 @@ class RapidOcrBackend:
     (0.29 vs 0.06 s/img for detection, 0.041 vs 0.023 s/img for recognition) than one by one."""
 
     def __init__(self, threads: int | None = None, det_limit_side_len: int = 960, text_score: float = 0.5):
-        """``threads``: onnxruntime intra-op threads (0: its default, all cores; None: $DIFFUSIONRL_OCR_THREADS).
+        """``threads``: onnxruntime intra-op threads (0: its default, all cores; None: $DIFFUSIONRL_REWARD_THREADS).
 
         Detection keeps images up to ``det_limit_side_len`` at their own size (PaddleOCR's
         behaviour; RapidOCR's default upscales a 512 px image to 736 px, 2x slower).
@@ -195,7 +194,8 @@ class PaddleOcrBackend:
                 "pip install 'diffusionrl[ocr-paddle]'"
             )
         self.engine = PaddleOCR(
-            use_angle_cls=False, lang="en", det_model_dir=str(det), rec_model_dir=str(rec), use_gpu=use_gpu, show_log=False
+            use_angle_cls=False, lang="en", det_model_dir=str(det), rec_model_dir=str(rec), use_gpu=use_gpu,
+            show_log=False,
         )
 
     def read_one(self, image: np.ndarray) -> list[str]:
@@ -247,11 +247,23 @@ def render_text_image(
 # ----------------------------------------------------------------------------- the reward
 
 
-class OcrReward:
+@register_reward("ocr")
+class OcrReward(Reward):
+    """1 - capped Levenshtein distance / len(target) between read text and the prompt's quoted text."""
+
     name = "ocr"
 
     def __init__(self, backend: OcrBackend):
         self.backend = backend
+
+    @classmethod
+    def from_config(cls, reward_cfg=None) -> OcrReward:
+        return cls(make_ocr_backend(reward_cfg))
+
+    @classmethod
+    def validate_prompts(cls, prompts, metadata=None, source: str = "prompts") -> None:
+        """Every row needs a text to read: ``metadata["text"]`` or a quoted span (``validate_ocr_prompts``)."""
+        validate_ocr_prompts(prompts, metadata, source=source)
 
     def __call__(self, images, prompts, metadata) -> RewardResult:
         metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
@@ -269,9 +281,3 @@ class OcrReward:
             scores[i] = ocr_score("".join(read), target)
         info = {"exact": float(np.mean(scores == 1.0))} if len(scores) else {}
         return RewardResult(scores, failures, info)
-
-
-@register_reward("ocr")
-def _ocr(reward_cfg=None) -> OcrReward:
-    """1 - capped Levenshtein distance / len(target) between read text and the prompt's quoted text."""
-    return OcrReward(make_ocr_backend(reward_cfg))

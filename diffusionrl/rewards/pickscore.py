@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from .base import RewardResult, register_reward, safe_score
+from .base import Reward, RewardResult, register_reward, safe_score
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,10 @@ DEFAULT_MODEL = "yuvalkirstain/PickScore_v1"
 SCALE_DIVISOR = 26.0
 
 
-class PickScoreReward:
+@register_reward("pickscore")
+class PickScoreReward(Reward):
+    """PickScore_v1 preference score / 26 (CLIP-H processor)."""
+
     name = "pickscore"
 
     def __init__(self, model, processor, device=None, dtype=None, batch_size: int = 16):
@@ -38,7 +41,8 @@ class PickScoreReward:
         self.batch_size = batch_size
 
     @classmethod
-    def from_pretrained(cls, processor_id: str = DEFAULT_PROCESSOR, model_id: str = DEFAULT_MODEL, device=None, token=None):
+    def from_pretrained(cls, processor_id: str = DEFAULT_PROCESSOR, model_id: str = DEFAULT_MODEL, device=None,
+                        token=None):
         """Load from hub ids or local folders; ``token`` defaults to $HF_TOKEN (for gated mirrors)."""
         import torch
         from transformers import AutoModel, AutoProcessor
@@ -59,6 +63,13 @@ class PickScoreReward:
                 + "; set HF_TOKEN if the repository is gated."
             ) from exc
         return cls(model, processor, device=device, dtype=dtype)
+
+    @classmethod
+    def from_config(cls, reward_cfg=None) -> PickScoreReward:
+        return cls.from_pretrained(
+            getattr(reward_cfg, "pickscore_processor", DEFAULT_PROCESSOR) or DEFAULT_PROCESSOR,
+            getattr(reward_cfg, "pickscore_model", DEFAULT_MODEL) or DEFAULT_MODEL,
+        )
 
     def _score_batch(self, images: list[np.ndarray], prompts: list[str]) -> np.ndarray:
         import torch
@@ -96,12 +107,3 @@ class PickScoreReward:
                 scores[chunk] = part.scores
                 failures += part.failures
         return RewardResult(scores, failures)
-
-
-@register_reward("pickscore")
-def _pickscore(reward_cfg=None) -> PickScoreReward:
-    """PickScore_v1 preference score / 26 (CLIP-H processor)."""
-    return PickScoreReward.from_pretrained(
-        getattr(reward_cfg, "pickscore_processor", DEFAULT_PROCESSOR) or DEFAULT_PROCESSOR,
-        getattr(reward_cfg, "pickscore_model", DEFAULT_MODEL) or DEFAULT_MODEL,
-    )

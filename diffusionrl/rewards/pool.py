@@ -15,8 +15,9 @@ import time
 
 import numpy as np
 
-from .base import MixtureReward, RewardResult
-from .ocr import THREADS_ENV, validate_ocr_prompts
+from .base import RewardResult, set_reward_threads
+from .mixture import MixtureReward
+from .registry import prompt_check
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,7 @@ class _RewardActor:
 
     def __init__(self, reward_cfg, threads: int):
         # Before any reward is built: onnxruntime (OCR) and torch read their thread counts once.
-        os.environ[THREADS_ENV] = str(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        set_reward_threads(threads)
         self.scorer = MixtureReward(reward_cfg.weights, reward_cfg)
 
     def ready(self) -> int:
@@ -142,7 +142,9 @@ class RewardActorPool:
         self.started_ray = ensure_ray(num_cpus=max(1, int(np.ceil(self.num_actors * cpus_per_actor))))
         self._remote = ray.remote(num_cpus=cpus_per_actor)(_RewardActor)
         self.actors = [self._new_actor() for _ in range(self.num_actors)]
-        self._wait_ready(range(self.num_actors))
+        self._wait_ready(range(self.num_actors))  # an unknown reward name fails here, in the actors
+        # Each reward's own prompt check (None: it has none), run on each whole batch before it is cut.
+        self.prompt_checks = {name: check for name in self.weights if (check := prompt_check(name)) is not None}
 
     def _new_actor(self):
         return self._remote.remote(self.reward_cfg, self.threads)
@@ -175,8 +177,8 @@ class RewardActorPool:
         if len(images) != len(prompts):
             raise ValueError(f"reward pool: {len(images)} images but {len(prompts)} prompts")
         metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
-        if "ocr" in self.weights:  # data errors name the batch row, not a row of some actor's shard
-            validate_ocr_prompts(prompts, metadata, source="ocr reward batch")
+        for name, check in self.prompt_checks.items():  # data errors name the batch row, not a shard's row
+            check(prompts, metadata, source=f"{name} reward batch")
         return PendingScore(self, images, prompts, metadata)
 
     def __call__(self, images, prompts, metadata) -> tuple[np.ndarray, dict[str, RewardResult]]:
