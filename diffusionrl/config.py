@@ -571,7 +571,7 @@ def _sd35m_gpu() -> dict[str, Any]:
 
 
 def _sd35m_ocr() -> dict[str, Any]:
-    # The Flow-GRPO reference recipe (ALGORITHMS.md section 9): OCR reward, 48 groups of 16.
+    # The Flow-GRPO reference recipe (docs/algorithms.md section 9): OCR reward, 48 groups of 16.
     return _overlay(
         _sd35m_gpu(),
         {
@@ -617,7 +617,7 @@ def _overlay(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def _tiny_cpu_nft() -> dict[str, Any]:
     # DiffusionNFT on the tiny model: tiny-cpu's model, data and batch, CFG-free ODE rollouts of
-    # the EMA old policy (ALGORITHMS.md 7), the reference's KL weight and guidance strength.
+    # the EMA old policy (docs/algorithms.md 7), the reference's KL weight and guidance strength.
     # LoRA on the feed-forward and output projections too, and a larger learning rate: with the
     # attention-only adapter at 3e-4 the tiny model's jpeg reward does not move within minutes;
     # with these it gains ~8 first-step stds in 40 steps (bench/learning.py --compare nft).

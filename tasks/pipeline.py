@@ -1,4 +1,4 @@
-"""The tasks of the GRPO workflow (DESIGN.md "The DAG").
+"""The tasks of the GRPO workflow (docs/architecture.md "The DAG").
 
 Each body unpacks typed inputs, calls the ``diffusionrl`` library and packs outputs; no algorithm
 code lives here. Locally (``pyflyte run``) images and resources are ignored and the Ray task
