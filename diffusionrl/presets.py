@@ -70,7 +70,7 @@ SD35M_GPU: dict[str, Any] = {
     "eval": {"num_steps": 40, "num_prompts": 1024},
 }
 
-# Over SD35M_GPU: the Flow-GRPO reference recipe (ALGORITHMS.md section 9): OCR reward, 48 groups of 16.
+# Over SD35M_GPU: the Flow-GRPO reference recipe (docs/algorithms.md section 9): OCR reward, 48 groups of 16.
 SD35M_OCR: dict[str, Any] = {
     "model": {"max_sequence_length": 256},
     "sampling": {"guidance_scale": 4.5, "noise_level": 0.7},
@@ -95,7 +95,7 @@ TINY_CPU_OCR: dict[str, Any] = {
 }
 
 # Over TINY_CPU: DiffusionNFT on the tiny model: tiny-cpu's model, data and batch, CFG-free ODE
-# rollouts of the EMA old policy (ALGORITHMS.md 7), the reference's KL weight and guidance strength.
+# rollouts of the EMA old policy (docs/algorithms.md section 7), the reference's KL weight and guidance strength.
 # LoRA on the feed-forward and output projections too, and a larger learning rate: with the
 # attention-only adapter at 3e-4 the tiny model's jpeg reward does not move within minutes;
 # with these it gains ~8 first-step stds in 40 steps (bench/learning.py --compare nft).

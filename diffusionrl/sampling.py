@@ -1,4 +1,4 @@
-"""Stochastic and deterministic flow-matching steps with per-step log-probs (ALGORITHMS.md 1-3).
+"""Stochastic and deterministic flow-matching steps with per-step log-probs (docs/algorithms.md 1-3).
 
 Pure tensor functions. Everything is computed in float32 whatever the model dtype: the log-prob
 is a mean over ~C*H*W Gaussian terms whose differences are ~1e-4 (the PPO clip range); bf16/fp16
@@ -106,7 +106,7 @@ def step_with_logprob(
     raise ValueError(f"unknown sde_type {sde_type!r}; use one of {SDE_TYPES}")
 
 
-# -- step strategies (ALGORITHMS.md 3) -------------------------------------------------------------
+# -- step strategies (docs/algorithms.md 3) --------------------------------------------------------
 
 
 def sde_step_mask(

@@ -1,4 +1,4 @@
-"""The trajectory batch contract between rollout engines and the trainer (DESIGN.md "Contracts").
+"""The trajectory batch contract between rollout engines and the trainer (docs/architecture.md "Contracts").
 
 A ``Trajectory`` holds B samples of T denoising steps. Shapes and dtypes are checked when it is
 built, so a malformed batch fails at the engine that made it, not deep inside the trainer.

@@ -1,4 +1,4 @@
-"""Exactness invariants of the trainer and the loop (DESIGN.md "Testing")."""
+"""Exactness invariants of the trainer and the loop (docs/architecture.md "Testing")."""
 
 import dataclasses
 import json

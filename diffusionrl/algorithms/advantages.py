@@ -1,4 +1,4 @@
-"""Group-relative advantages (ALGORITHMS.md section 4)."""
+"""Group-relative advantages (docs/algorithms.md section 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Flow-GRPO loss (ALGORITHMS.md section 5), per (sample, trained step) pair.
+"""The Flow-GRPO loss (docs/algorithms.md section 5), per (sample, trained step) pair.
 
 The trainer sums these per-pair values over all active pairs of a step and divides once by
 their count (section 6); this module has no notion of batches or micro-batches.

@@ -1,4 +1,4 @@
-"""The DiffusionNFT loss (ALGORITHMS.md section 7), per (sample, trained timestep) pair.
+"""The DiffusionNFT loss (docs/algorithms.md section 7), per (sample, trained timestep) pair.
 
 Likelihood-free: no log-probs, only the clean final latent ``x0`` of a deterministic rollout of
 the old policy, re-noised to ``x_t = (1 - t) x0 + t eps``. The trained velocity ``v_theta`` and

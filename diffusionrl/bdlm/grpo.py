@@ -15,7 +15,7 @@ All three policies score the *same* recorded canvases (``replay``), so ratio and
 rather than estimated from fresh random re-masking. The old policy is a snapshot of the live
 weights taken at the start of the step: with ``inner_iterations > 1`` it stays those weights while
 the live model moves. One work unit is one (micro-batch, step) forward/backward; its loss *sum* is
-divided once by the total weight of the whole step (``ALGORITHMS.md`` section 6), so the gradient
+divided once by the total weight of the whole step (``docs/algorithms.md`` section 6), so the gradient
 does not depend on how the batch was split.
 """
 

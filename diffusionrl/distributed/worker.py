@@ -1,7 +1,7 @@
 """One trainer rank: a Ray actor holding the adapter, the FSDP2-sharded LoRA policy, the trainer
 and (ranks ``< train.rollout_engines``) a rollout engine.
 
-Exact accumulation across ranks (ALGORITHMS.md section 6): the driver replays the single-process
+Exact accumulation across ranks (docs/algorithms.md section 6): the driver replays the single-process
 schedule (``grpo_plan``: which micro-batches form each optimizer step, and each micro-batch's step
 order, from the same seeded generator), every rank builds the units of the micro-batches it
 owns, the count of each optimizer step is all-reduced *before* any backward, every unit's summed

@@ -34,7 +34,7 @@ class MixtureReward:
 
 def reward_metrics(total: np.ndarray, parts: dict[str, RewardResult],
                    prefix: str = "rollout/reward") -> dict[str, float]:
-    """The ALGORITHMS.md section-10 reward metrics of one batch."""
+    """The docs/algorithms.md section-10 reward metrics of one batch."""
     out = {
         f"{prefix}/raw_mean": float(np.mean(total)),
         f"{prefix}/raw_std": float(np.std(total)),

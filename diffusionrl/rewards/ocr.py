@@ -1,4 +1,4 @@
-"""OCR reward (ALGORITHMS.md section 8): how closely the text read in the image matches the prompt's.
+"""OCR reward (docs/algorithms.md section 8): how closely the text read in the image matches the prompt's.
 
 The target is the first double-quoted span of the prompt (or ``metadata["text"]`` when a dataset
 gives it). All recognised text lines are joined; both sides are lowercased and stripped of spaces.

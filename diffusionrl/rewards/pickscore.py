@@ -1,4 +1,4 @@
-"""PickScore reward (ALGORITHMS.md section 8): ``logit_scale * cos(text_emb, image_emb) / 26``.
+"""PickScore reward (docs/algorithms.md section 8): ``logit_scale * cos(text_emb, image_emb) / 26``.
 
 A CLIP model fine-tuned on human preferences (PickScore_v1, CLIP-H processor). ``/ 26`` brings the
 typical score (about 21-23 for SD images) near 1, as flow_grpo does. torch and transformers are

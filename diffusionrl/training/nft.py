@@ -1,4 +1,4 @@
-"""The DiffusionNFT objective (ALGORITHMS.md section 7) on the shared trainer.
+"""The DiffusionNFT objective (docs/algorithms.md section 7) on the shared trainer.
 
 Rollouts are deterministic (ODE) samples of the *old* policy ``theta_old``, an EMA of the trained
 LoRA that this objective owns: ``rollout_state()`` hands it to the engine, ``state_tensors()`` /

@@ -1,4 +1,4 @@
-"""Policy updates with exact gradient accumulation (ALGORITHMS.md sections 5-6).
+"""Policy updates with exact gradient accumulation (docs/algorithms.md sections 5-6).
 
 ``Trainer`` owns what every objective shares: the optimizer, the grad scaler, clipping, the NaN
 guard, the EMA and the accumulation rule. An objective turns a rollout batch into *work units*
