@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup sglang-env demo test bench bench-gpu clean
+.PHONY: setup sglang-env demo test bench bench-gpu package images clean
 
 setup: $(STAMP)
 
@@ -79,5 +79,23 @@ bench-gpu: setup
 	@out=bench/results/gpu_scaleout-$$(date +%F).json; $(BIN)/python bench/gpu_scaleout.py > $$out.tmp || exit 1; \
 	cat $$out.tmp; if grep -q '"skipped"' $$out.tmp; then rm $$out.tmp; else mv $$out.tmp $$out; echo "-> $$out"; fi
 
+# The registrable archive of both workflows, their launch plans and all tasks (pyflyte package),
+# offline: no cluster, no Docker, no registry lookups. --copy all is fast registration: the code,
+# configs/ and pyproject.toml go into the archive's code tarball, unpacked under /root in the pods;
+# the images hold only the dependencies (images/__init__.py). The templates name
+# DIFFUSIONRL_IMAGE_REGISTRY/diffusionrl-{cpu,gpu}:TAG (a placeholder registry when it is unset).
+# Register it with `flytectl register files --archive dist/flyte-package.tgz --version V`.
+PACKAGE ?= dist/flyte-package.tgz
+
+package: setup
+	@mkdir -p $(dir $(PACKAGE))
+	DIFFUSIONRL_IMAGES_OFFLINE=1 PYTHONPATH=$(CURDIR) $(BIN)/pyflyte --pkgs workflows --pkgs tasks \
+	  package --copy all --force --output $(PACKAGE)
+
+# Build and push the CPU and GPU images that DIFFUSIONRL_IMAGE_REGISTRY lacks (needs Docker with
+# buildx and, for a remote registry, docker login); prints one line per missing piece otherwise.
+images: setup
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m images build
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache dist
