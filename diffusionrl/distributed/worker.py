@@ -160,15 +160,14 @@ class TrainerRank:
         return traj
 
     def _engine_memory(self, what: str) -> None:
-        """SGLang's memory handoff (``/release_memory_occupation`` / ``/resume_memory_occupation``)."""
+        """The engine's memory handoff (SGLang: ``/release_memory_occupation`` / ``/resume_memory_occupation``;
+        a no-op for the local engine, which shares this process's allocator)."""
         if self.engine is None or not self.cfg.train.memory_handoff or self.device.type != "cuda":
             return
-        post = getattr(self.engine, "_post", None)
-        if post is None:  # the local engine shares this process's allocator: nothing to hand off
-            return
-        r = post(f"/{what}_memory_occupation", json={})
-        if r.status_code != 200:
-            raise RuntimeError(f"engine {what}_memory_occupation failed (HTTP {r.status_code}): {r.text[:300]}")
+        if what == "resume":
+            self.engine.resume_memory()
+        else:
+            self.engine.release_memory()
 
     # -- training ---------------------------------------------------------------------------------
     def _units(self, share, active, entry, first_chunk: int, probe) -> list[Unit]:

@@ -45,12 +45,13 @@ class SamplingSpec:
 class RolloutEngine(Protocol):
     """Generates trajectories with the current policy weights and accepts new ones.
 
-    Engines must give the same log-probs for the same weights and noise: the local engine and
-    the SGLang engine are interchangeable behind this protocol.
+    Engines must give the same log-probs for the same weights and noise: the local engine
+    (``rollout/local.py``) and the SGLang engine (``rollout/sglang/``) are interchangeable behind
+    this protocol. Both are built by ``training.loop.make_engine``.
     """
 
-    name: str
-    version: int
+    name: str  # "local" | "sglang"
+    version: int  # the weight version of the last ``update_weights`` (0 before any)
 
     def generate(
         self,
@@ -60,8 +61,24 @@ class RolloutEngine(Protocol):
         spec: SamplingSpec,
         sde_mask: np.ndarray | torch.Tensor | None = None,
         metadata: list[dict] | None = None,
-    ) -> Trajectory: ...
+    ) -> Trajectory:
+        """Sample one trajectory per prompt: sample i from ``seeds[i]``, SDE steps ``sde_mask[i]``
+        (``[B, T]``; a ``[T]`` mask holds for all; ``None``: every step but the last)."""
+        ...
 
-    def update_weights(self, lora_state: dict[str, torch.Tensor], version: int) -> None: ...
+    def update_weights(self, lora_state: dict[str, torch.Tensor], version: int) -> None:
+        """Sample with this LoRA (names as in the policy's ``lora_state()``) from now on."""
+        ...
 
-    def close(self) -> None: ...
+    def release_memory(self) -> None:
+        """Free the engine's accelerator memory while the trainer trains (no-op where nothing is
+        held apart from the trainer's allocator)."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take back what ``release_memory`` freed, before the next ``generate``."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine owns (a server process, temporary files); idempotent."""
+        ...

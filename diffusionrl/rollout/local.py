@@ -19,15 +19,9 @@ from diffusionrl.sampling import step_with_logprob
 from diffusionrl.trajectory import Conditioning, Trajectory
 
 from .base import SamplingSpec
+from .batch import RolloutBatch
 
 log = logging.getLogger(__name__)
-
-
-def _as_long(values, n: int, name: str) -> torch.Tensor:
-    t = torch.as_tensor(values, dtype=torch.int64).reshape(-1)
-    if t.shape[0] != n:
-        raise ValueError(f"{name} has {t.shape[0]} entries for {n} prompts")
-    return t
 
 
 class LocalRolloutEngine:
@@ -35,7 +29,8 @@ class LocalRolloutEngine:
 
     name = "local"
 
-    def __init__(self, adapter: SD3Adapter, transformer: torch.nn.Module, micro_batch_size: int, progress: bool = False):
+    def __init__(self, adapter: SD3Adapter, transformer: torch.nn.Module, micro_batch_size: int,
+                 progress: bool = False):
         self.adapter = adapter
         self.transformer = transformer.eval()
         self.transformer.requires_grad_(False)
@@ -55,6 +50,13 @@ class LocalRolloutEngine:
             self._params[name].copy_(value.to(self._params[name].device, self._params[name].dtype))
         self.version = int(version)
 
+    # -- memory: the engine shares this process's allocator with the trainer, nothing to hand off
+    def release_memory(self) -> None:
+        pass
+
+    def resume_memory(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -69,48 +71,30 @@ class LocalRolloutEngine:
         sde_mask: np.ndarray | torch.Tensor | None = None,
         metadata: list[dict] | None = None,
     ) -> Trajectory:
-        b = len(prompts)
-        group_ids_t = _as_long(group_ids, b, "group_ids")
-        seeds_t = _as_long(seeds, b, "seeds")
+        batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
         sigmas, timesteps = self.adapter.schedule(spec.num_steps)
-        t = spec.num_steps
-        if spec.sde_type == "ode" or sde_mask is None:
-            mask = torch.zeros(b, t, dtype=torch.bool)
-            if spec.sde_type != "ode":
-                mask[:, :-1] = True
-        else:
-            mask = torch.as_tensor(np.asarray(sde_mask), dtype=torch.bool)
-            mask = mask.expand(b, t).clone() if mask.ndim == 1 else mask
-        micro = self.micro_batch_size if b % self.micro_batch_size == 0 else b
         negative = spec.negative_prompt if spec.guidance_scale != 1.0 else None
         cond = self.adapter.encode_prompts(prompts, negative, spec.max_sequence_length)
 
         latents, log_probs, images = [], [], []
-        chunks = range(0, b, micro)
+        micro = batch.micro_batch_size
+        chunks = range(0, batch.size, micro)
         for start in tqdm(chunks, desc="rollout", disable=not self.progress, leave=False):
             sl = slice(start, start + micro)
-            lat, lp = self._sample_chunk(cond.select(sl), seeds_t[sl], mask[sl], sigmas, timesteps, spec)
+            mask = batch.sde_mask[sl]
+            lat, lp = self._sample_chunk(cond.select(sl), batch.seeds[sl], mask, sigmas, timesteps, spec)
             latents.append(lat)
             log_probs.append(lp)
             if spec.keep_images:
                 images.append(self.adapter.decode(lat[:, -1]))
-        return Trajectory(
-            prompts=list(prompts),
-            group_ids=group_ids_t,
-            seeds=seeds_t,
+        return batch.trajectory(
             sigmas=sigmas,
             timesteps=timesteps,
-            sde_mask=mask,
             latents=torch.cat(latents),
             log_probs=torch.cat(log_probs),
             conditioning=cond.to("cpu"),
-            guidance_scale=float(spec.guidance_scale),
-            sde_type=spec.sde_type,
-            noise_level=float(spec.noise_level),
-            micro_batch_size=micro,
-            policy_version=self.version,
             images=np.concatenate(images) if images else None,
-            metadata=metadata,
+            policy_version=self.version,
         )
 
     def _sample_chunk(

@@ -1,0 +1,242 @@
+"""The SGLang rollout engine: rollouts from SGLang's diffusion runtime (``sglang.multimodal_gen``).
+
+The engine launches and owns one ``sglang serve`` process (``server.py``), waits for ``/health``,
+and talks to it over HTTP:
+
+- ``generate`` sends one ``POST /rollout/generate`` per sample and turns the answers into our
+  ``Trajectory`` (``protocol.py``: the wire format and how our contract maps to SGLang's).
+- ``update_weights`` pushes the trainer's LoRA as merged weights of the touched layers, tagged with
+  a weight version, and optionally verifies them on the server (``weight_sync.py``).
+- ``release_memory`` / ``resume_memory`` hand the server's GPU memory to a colocated trainer and
+  back (``/release_memory_occupation``, ``/resume_memory_occupation``).
+- A server that dies (or stops answering) is restarted, the last weights re-pushed and the
+  batch (or push) retried, up to ``max_restarts`` times per engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffusionrl.trajectory import Trajectory
+
+from ..base import SamplingSpec
+from ..batch import RolloutBatch
+from . import weight_sync
+from .protocol import json_or_text, parse_generate_response, request_bodies, request_body, trajectory_fields
+from .server import PRECISIONS, SGLangServer, SGLangServerError, model_folder, resolve_sglang_python
+from .weight_sync import NamedTensors, base_transformer_state, lora_layers, merge_lora
+
+log = logging.getLogger(__name__)
+
+
+class SGLangRolloutEngine:
+    """Rollouts from an SGLang diffusion server that this engine launches and owns."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        adapter,
+        peft_model: torch.nn.Module,
+        *,
+        micro_batch_size: int,
+        python: str = "",
+        port: int = 0,
+        verify_weights: bool = False,
+        ipc_bucket_mb: int = 512,
+        start_timeout_s: float = 300.0,
+        max_restarts: int = 3,
+        concurrency: int = 2,
+        request_timeout_s: float = 600.0,
+        model_path: str | None = None,
+        dtype: str = "float32",
+        server: SGLangServer | None = None,
+    ):
+        """``server``: attach to a running server of the same base model instead of launching
+        one (the engine then restarts it if it dies, but does not stop it on ``close``)."""
+        self.adapter = adapter
+        self.micro_batch_size = micro_batch_size
+        self.version = 0
+        self.verify_weights = verify_weights
+        self.bucket_bytes = int(ipc_bucket_mb) * 2**20
+        self.max_restarts = max_restarts
+        self.concurrency = max(1, concurrency)
+        self.request_timeout_s = request_timeout_s
+        self.restarts = 0
+        self.requests_sent = 0
+        self.last_push_s = 0.0
+        self.dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        self.layers = lora_layers(peft_model)
+        self.base_state = base_transformer_state(peft_model)
+        self._pushed: NamedTensors | None = None
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.workdir = Path(tempfile.mkdtemp(prefix="diffusionrl-sglang-"))
+        self.owns_server = server is None
+        if server is None:
+            server = SGLangServer(
+                resolve_sglang_python(python), model_path or self._materialize_model(), PRECISIONS[dtype], port=port,
+                workdir=self.workdir, start_timeout_s=start_timeout_s,
+            )
+        self.server = server
+        try:
+            if self.owns_server:
+                self.server.start()
+            if verify_weights:
+                self._verify([(layer.param, layer.base.to(self.dtype)) for layer in self.layers], "base weights")
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_config(cls, cfg, adapter, policy) -> SGLangRolloutEngine:
+        sc = cfg.sampling
+        return cls(
+            adapter,
+            policy.model,
+            micro_batch_size=cfg.train.micro_batch_size,
+            python=sc.sglang_python,
+            port=sc.sglang_port,
+            verify_weights=sc.sglang_verify_weights,
+            ipc_bucket_mb=sc.sglang_ipc_bucket_mb,
+            start_timeout_s=sc.sglang_start_timeout_s,
+            max_restarts=sc.sglang_max_restarts,
+            model_path=model_folder(cfg.model.name, adapter),
+            dtype=cfg.model.dtype,
+        )
+
+    def _materialize_model(self) -> str:
+        """``builtin:tiny-sd3`` as a diffusers folder the server can load (the same weights as the
+        adapter's: the build is seeded; ``verify_weights`` checks the served base weights of the
+        LoRA layers and the module checksum at start)."""
+        from diffusionrl.models.tiny import save_tiny_sd3
+
+        path = save_tiny_sd3(self.workdir / "model")
+        return str(path)
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _http(self):
+        """One HTTP session per thread (requests run from a small thread pool)."""
+        import requests
+
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
+
+    def _post(self, path: str, **kw):
+        import requests
+
+        try:
+            r = self._http().post(self.server.url + path, timeout=self.request_timeout_s, **kw)
+        except requests.RequestException as exc:
+            raise SGLangServerError(f"POST {path} failed: {exc}") from exc
+        return r
+
+    def _with_restart(self, fn, what: str):
+        """Run ``fn``; if the server died or stopped answering, restart it (re-pushing the last
+        weights) and run ``fn`` again, up to ``max_restarts`` restarts per engine."""
+        while True:
+            try:
+                return fn()
+            except SGLangServerError as exc:
+                if self.server.healthy():
+                    raise  # a live server refused the request: a real error, not a crash
+                if self.restarts >= self.max_restarts:
+                    raise SGLangServerError(
+                        f"{what}: sglang server died and {self.restarts} restarts are used up "
+                        f"(sampling.sglang_max_restarts={self.max_restarts}): {exc}"
+                    ) from exc
+                self.restarts += 1
+                log.warning("%s: sglang server is down (%s); restart %d/%d, then retry", what, exc, self.restarts,
+                            self.max_restarts)
+                self.server.stop(timeout=5.0)
+                self.server.start()
+                if self._pushed is not None:
+                    self._push(self._pushed)
+
+    # -- weights -------------------------------------------------------------------------------
+    def update_weights(self, lora_state: dict[str, torch.Tensor], version: int) -> None:
+        """Push the LoRA as merged weights of the touched layers, tagged with ``version``."""
+        t0 = time.perf_counter()
+        named = merge_lora(self.layers, lora_state, self.dtype)
+        self._with_restart(lambda: self._push(named), f"update_weights(version={version})")
+        self._pushed = named
+        if self.verify_weights:
+            self._with_restart(lambda: self._verify(named, f"version {version}"), "verify weights")
+        self.version = int(version)
+        self.last_push_s = time.perf_counter() - t0
+
+    def _push(self, named: NamedTensors) -> None:
+        weight_sync.push_weights(self._post, named, self.bucket_bytes)
+
+    def _verify(self, named: NamedTensors, what: str) -> None:
+        weight_sync.verify_pushed(self._post, named, self.base_state, self.dtype, what)
+
+    def server_checksum(self, module: str = "transformer") -> str:
+        return weight_sync.server_checksum(self._post, module)
+
+    def expected_checksum(self, named: NamedTensors | None = None) -> str:
+        """The transformer checksum the server should report: base weights, with ``named`` (by
+        default the last push) laid over them."""
+        return weight_sync.expected_checksum(self.base_state, self.dtype,
+                                             named if named is not None else (self._pushed or []))
+
+    # -- GPU memory handoff (colocated trainer) ---------------------------------------------------
+    def release_memory(self) -> None:  # pragma: no cover - GPU only
+        """Free the server's GPU memory while the trainer trains (``/release_memory_occupation``)."""
+        self._memory("release")
+
+    def resume_memory(self) -> None:  # pragma: no cover - GPU only
+        """Take the server's GPU memory back before sampling (``/resume_memory_occupation``)."""
+        self._memory("resume")
+
+    def _memory(self, what: str) -> None:  # pragma: no cover - GPU only
+        r = self._post(f"/{what}_memory_occupation", json={})
+        if r.status_code != 200:
+            raise SGLangServerError(f"{what}_memory_occupation failed (HTTP {r.status_code}): {json_or_text(r)}")
+
+    # -- sampling ------------------------------------------------------------------------------
+    _request = staticmethod(request_body)  # one sample's /rollout/generate body
+
+    def _generate_one(self, body: dict) -> dict:
+        r = self._post("/rollout/generate", json=body)
+        with self._lock:
+            self.requests_sent += 1
+        return parse_generate_response(r, body["seed"])
+
+    def _generate_all(self, bodies: list[dict]) -> list[dict]:
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._generate_one, bodies))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        group_ids,
+        seeds,
+        spec: SamplingSpec,
+        sde_mask: np.ndarray | torch.Tensor | None = None,
+        metadata: list[dict] | None = None,
+    ) -> Trajectory:
+        if spec.sde_type == "ode" and spec.ode_solver != "euler":
+            raise NotImplementedError(f"the sglang engine samples ODE steps with Euler only, not {spec.ode_solver!r}")
+        batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
+        bodies = request_bodies(batch.prompts, batch.seeds, batch.sde_mask, spec)
+        items = self._with_restart(lambda: self._generate_all(bodies), f"generate({batch.size} samples)")
+        return batch.trajectory(**trajectory_fields(items, spec), policy_version=self.version)
+
+    def close(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None and self.owns_server:
+            server.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)

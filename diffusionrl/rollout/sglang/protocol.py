@@ -1,0 +1,163 @@
+"""The wire format of SGLang's ``POST /rollout/generate``: request bodies, the msgpack answers,
+and a batch of answers as the parts of our ``Trajectory``.
+
+One request per sample: one output per request (``num_outputs_per_prompt=1``), with the sample's
+own seed and its own SDE step set, and no exposure to the upstream report of several outputs of one
+request collapsing to output 0's trajectory. The server computes the per-step log-probs itself;
+the answer's DiT trajectory (latents ``[T+1, C, h, w]``, the scheduler's ``sigmas`` snapshot
+``[T+1]``, ``timesteps``) and denoising env (the DiT's text conditioning) become our
+``Trajectory``, so the trainer recomputes exactly what the server sampled.
+
+Mapping of our contract to SGLang's (sglang 0.5.23, SD3):
+- seeds: request ``seed`` with ``generator_device="cpu"``; same seed -> bitwise-same sample.
+  SGLang's noise stream differs from the local engine's, so the two engines give different
+  samples for one seed (each is reproducible).
+- step strategies: our per-sample ``sde_mask`` row -> ``rollout_sde_step_indices`` (steps not
+  listed are ODE steps whose log-prob the server reports as 0, as ours). An ODE spec (NFT
+  rollouts) is ``sde`` with no SDE step, so no log-prob assertion trips on the server.
+- ``sde`` log-probs are full Gaussian log-densities averaged over elements (ours); ``cps`` asks for
+  ``rollout_log_prob_no_const`` (ours drops the constants there too).
+- sigmas/timesteps: the server's own post-shift ``sigmas`` snapshot is kept as is (recomputing it
+  from timesteps drifts ~3e-5 in log-prob); its timesteps carry a terminal 0, dropped (``[:T]``).
+- conditioning: ``pos_cond_kwargs`` / ``neg_cond_kwargs`` (``encoder_hidden_states``,
+  ``pooled_projections``) -> ``Conditioning``. SGLang encodes SD3 prompts with its own lengths
+  (CLIP 77 + T5 256 tokens); a request's ``max_sequence_length`` would also cut CLIP and is not
+  applied to the negative prompt in 0.5.23, so the engine does not send it: its conditioning has
+  333 tokens where the local engine's has ``77 + model.max_sequence_length``.
+- images: ``generated_output`` (float ``[3, H, W]`` in [0, 1]) -> uint8 ``[H, W, 3]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffusionrl.trajectory import Conditioning
+
+from ..base import SamplingSpec
+from .server import SGLangServerError
+
+
+def json_or_text(r):
+    """A response's JSON body, else (not JSON) the start of its text, for error messages."""
+    try:
+        return r.json()
+    except ValueError:
+        return r.text[:2000]
+
+
+def decode_tensors(obj):
+    """A msgpack response tree with ``{"__tensor__": True, "data": <safetensors bytes>}`` leaves
+    -> the same tree with torch tensors."""
+    from safetensors.torch import load
+
+    if isinstance(obj, dict):
+        if obj.get("__tensor__"):
+            return load(obj["data"])["t"]
+        return {k: decode_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_tensors(v) for v in obj]
+    return obj
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+def request_body(prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpec) -> dict:
+    """The ``/rollout/generate`` body of one sample: SDE steps ``sde_steps``, ODE at the others."""
+    cfg = spec.guidance_scale != 1.0
+    return {
+        "prompt": prompt,
+        "negative_prompt": spec.negative_prompt if cfg else None,
+        "seed": int(seed),
+        "generator_device": "cpu",
+        "width": spec.resolution,
+        "height": spec.resolution,
+        "num_inference_steps": spec.num_steps,
+        "num_outputs_per_prompt": 1,
+        "guidance_scale": float(spec.guidance_scale),
+        "rollout": True,
+        "rollout_sde_type": "sde" if spec.sde_type == "ode" else spec.sde_type,
+        "rollout_noise_level": float(spec.noise_level),
+        "rollout_log_prob_no_const": spec.sde_type == "cps",
+        "rollout_debug_mode": False,
+        "rollout_return_denoising_env": True,
+        "rollout_return_dit_trajectory": True,
+        "rollout_sde_step_indices": sde_steps,
+        "suppress_logs": True,
+    }
+
+
+def request_bodies(prompts: list[str], seeds: torch.Tensor, sde_mask: torch.Tensor, spec: SamplingSpec) -> list[dict]:
+    """One body per sample; sample i's SDE steps are the true entries of ``sde_mask[i]`` ``[T]``."""
+    t = spec.num_steps
+    return [
+        request_body(p, int(s), [j for j in range(t) if bool(sde_mask[i, j])], spec)
+        for i, (p, s) in enumerate(zip(prompts, seeds.tolist()))
+    ]
+
+
+def parse_generate_response(r, seed: int) -> dict:
+    """The one output of a ``/rollout/generate`` answer to a request for ``seed``, tensors decoded."""
+    import msgpack
+
+    if r.status_code != 200:
+        raise SGLangServerError(f"/rollout/generate failed (HTTP {r.status_code}): {json_or_text(r)}")
+    items = decode_tensors(msgpack.unpackb(r.content, raw=False))
+    if len(items) != 1:
+        raise SGLangServerError(f"/rollout/generate returned {len(items)} outputs for 1 requested")
+    item = items[0]
+    if int(item["seed"]) != seed:
+        raise SGLangServerError(f"/rollout/generate answered seed {item['seed']} for seed {seed}")
+    return item
+
+
+# -- answers -> trajectory --------------------------------------------------------------------------
+
+
+def trajectory_fields(items: list[dict], spec: SamplingSpec) -> dict[str, Any]:
+    """The answers of one batch (in sample order) -> ``sigmas``, ``timesteps``, ``latents``,
+    ``log_probs``, ``conditioning`` and ``images`` of its ``Trajectory``."""
+    t = spec.num_steps
+    traj0 = items[0]["dit_trajectory"]
+    sigmas = traj0["sigmas"].to(torch.float32)  # [T+1], the server's post-shift snapshot
+    timesteps = traj0["timesteps"].to(torch.float32)[:t]  # [T] (the server appends a terminal 0)
+    latents, log_probs, images, pos, neg = [], [], [], [], []
+    for item in items:
+        traj = item["dit_trajectory"]
+        if not (torch.equal(traj["sigmas"].float(), sigmas) and torch.equal(traj["timesteps"].float()[:t], timesteps)):
+            raise SGLangServerError("samples of one batch came back with different schedules")
+        latents.append(traj["latents"].to(torch.float32))  # [T+1, C, h, w]
+        log_probs.append(item["rollout_log_probs"].to(torch.float32).reshape(t))  # [T]
+        env = item["denoising_env"]
+        pos.append(env["pos_cond_kwargs"])
+        neg.append(env.get("neg_cond_kwargs"))
+        if spec.keep_images:
+            img = item["generated_output"].float()  # [3, H, W] in [0, 1]
+            images.append((img.clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
+    return {
+        "sigmas": sigmas,
+        "timesteps": timesteps,
+        "latents": torch.stack(latents),  # [B, T+1, C, h, w]
+        "log_probs": torch.stack(log_probs),  # [B, T]
+        "conditioning": _conditioning(pos, neg if spec.guidance_scale != 1.0 else None),
+        "images": np.stack(images) if images else None,  # [B, H, W, 3] uint8
+    }
+
+
+def _conditioning(pos: list[dict], neg: list[dict | None] | None) -> Conditioning:
+    """The DiT's conditioning kwargs of each sample -> one batched ``Conditioning``."""
+
+    def stack(kwargs: list[dict], key: str, ndim: int) -> torch.Tensor:
+        # one sample's tensor comes as [S, D] / [D] (or with a leading 1)
+        return torch.stack([kw[key].reshape(kw[key].shape[-ndim:]).to(torch.float32) for kw in kwargs])
+
+    cond = Conditioning(stack(pos, "encoder_hidden_states", 2), stack(pos, "pooled_projections", 1))
+    if neg is not None:
+        if any(n is None for n in neg):
+            raise SGLangServerError("the server returned no negative conditioning for a CFG request")
+        cond.negative_prompt_embeds = stack(neg, "encoder_hidden_states", 2)
+        cond.negative_pooled_embeds = stack(neg, "pooled_projections", 1)
+    return cond

@@ -1,0 +1,242 @@
+"""The ``sglang serve`` process: which interpreter runs it, its port, its start, health and stop.
+
+The server runs from its own interpreter, normally the repo's ``.venv-sglang`` (sglang pins
+torch/transformers/diffusers versions that differ from ours), in its own process group (stopped
+as a group), and without a GPU at the lowest CPU priority.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# SGLang picks its native SD3 pipeline by model id; any other id falls back to its diffusers
+# backend, whose /rollout/generate fails.
+SD3_MODEL_ID = "stable-diffusion-3-medium-diffusers"
+PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+SGLANG_PYTHON_ENV = "DIFFUSIONRL_SGLANG_PYTHON"
+REPO_ROOT = Path(__file__).resolve().parents[3]  # diffusionrl/rollout/sglang/server.py -> the repo
+
+
+class SGLangServerError(RuntimeError):
+    """The SGLang server could not be started, died, or refused a request."""
+
+
+# -- interpreter and ports ------------------------------------------------------------------------
+
+
+def resolve_sglang_python(configured: str = "") -> str:
+    """The interpreter that runs ``sglang serve``: the configured path, else
+    ``$DIFFUSIONRL_SGLANG_PYTHON``, else the repo's ``.venv-sglang/bin/python``, else this
+    interpreter if it can import sglang (the GPU image installs it alongside the project)."""
+    choices = ((configured, "sampling.sglang_python"), (os.environ.get(SGLANG_PYTHON_ENV, ""), SGLANG_PYTHON_ENV))
+    for candidate, source in choices:
+        if candidate:
+            path = Path(candidate).expanduser()
+            if not path.is_file():
+                raise SGLangServerError(f"{source}={candidate!r} is not a file; point it at the SGLang venv's python")
+            return str(path)
+    venv = REPO_ROOT / ".venv-sglang" / "bin" / "python"
+    if venv.is_file():
+        return str(venv)
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    raise SGLangServerError(
+        f"no SGLang interpreter: {venv} does not exist and this Python cannot import sglang. "
+        f"Run `make sglang-env`, or set sampling.sglang_python / ${SGLANG_PYTHON_ENV}"
+    )
+
+
+def sglang_available(configured: str = "") -> bool:
+    try:
+        resolve_sglang_python(configured)
+        return True
+    except SGLangServerError:
+        return False
+
+
+def free_port(lo: int = 20000, hi: int = 32000) -> int:
+    """A free TCP port P on 127.0.0.1 whose neighbour P+1 (SGLang's broker port) is free too.
+
+    Drawn below Linux's ephemeral range (32768+), where outgoing connections take their ports:
+    a port from ``bind(0)`` can be taken by one during the server's ~20 s start."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(lo, hi)
+        if _bindable(port) and _bindable(port + 1):
+            return port
+    raise SGLangServerError(f"found no free pair of TCP ports in [{lo}, {hi}) on 127.0.0.1")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _lowest_priority_on_cpu() -> None:
+    """In the server's child process: without a GPU, run it at the lowest CPU priority. Its
+    scheduler busy-polls a core even when idle, and a trainer sharing these cores (torch's
+    OpenMP threads wait for each other) was measured ~60x slower next to it at normal priority."""
+    if not torch.cuda.is_available():
+        os.nice(19)
+        try:  # with autogroup scheduling, niceness counts between sessions only through this
+            Path("/proc/self/autogroup").write_text("19")
+        except OSError:
+            pass
+
+
+class SGLangServer:
+    """One ``sglang serve`` process in its own process group (killed as a group)."""
+
+    def __init__(self, python: str, model_path: str, precision: str, port: int = 0, workdir: str | Path | None = None,
+                 start_timeout_s: float = 300.0):
+        self.python = python
+        self.model_path = model_path
+        self.precision = precision
+        self.requested_port = port
+        self.port = 0
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="sglang-"))
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.workdir / "server.log"
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        p = self.precision
+        return [
+            self.python, "-c",
+            "import sys; from sglang.cli.main import main; sys.argv[0] = 'sglang'; sys.exit(main())",
+            "serve", "--model-path", self.model_path, "--model-id", SD3_MODEL_ID,
+            "--host", "127.0.0.1", "--port", str(self.port), "--num-gpus", "1",
+            "--dit-precision", p, "--vae-precision", p, "--text-encoder-precisions", p, p, p,
+            "--warmup-mode", "off",
+        ]
+
+    def start(self, attempts: int = 3) -> None:
+        """Launch and wait for ``/health``; with a free port picked here, a port taken meanwhile
+        by another process (the server exits on the bind error) is retried on a new port."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except SGLangServerError as exc:
+                if self.requested_port or attempt == attempts or "address already in use" not in str(exc).lower():
+                    raise
+                log.warning("sglang port %d was taken while the server started; retrying on another port", self.port)
+
+    def _start_once(self) -> None:
+        import requests
+
+        self.port = self.requested_port or free_port()
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+        with open(self.log_path, "ab") as log_fh:  # the child keeps its own copy of the descriptor
+            log_fh.write(f"\n=== start {self.starts + 1}: port {self.port}\n".encode())
+            log_fh.flush()
+            self.proc = subprocess.Popen(
+                self.command(), cwd=self.workdir, env=env, stdout=log_fh, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_lowest_priority_on_cpu,
+            )
+        self.starts += 1
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SGLangServerError(
+                    f"sglang serve exited with {self.proc.returncode} while starting; log tail:\n{self.log_tail()}"
+                )
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    log.info("sglang server up on %s (pid %d)", self.url, self.proc.pid)
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SGLangServerError(
+            f"sglang serve not healthy after {self.start_timeout_s:.0f} s; log tail:\n{self.log_tail()}"
+        )
+
+    def healthy(self) -> bool:
+        import requests
+
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            return requests.get(self.url + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM to the process group (a clean shutdown), SIGKILL after ``timeout``."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the server's pid
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+                # children (the scheduler) may outlive the parent for a moment
+                if not _group_alive(pgid):
+                    break
+                time.sleep(0.5)
+                if not _group_alive(pgid):
+                    break
+            except subprocess.TimeoutExpired:
+                continue
+        self.proc = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def model_folder(reference: str, adapter) -> str | None:
+    """What the server loads: a local diffusers folder (the reference, or the folder the adapter
+    was loaded from), a hub id as is; ``None`` for the builtin model (the engine writes it)."""
+    loaded_from = getattr(getattr(adapter.pipe, "config", None), "_name_or_path", None)
+    if loaded_from and Path(loaded_from).is_dir():
+        return str(Path(loaded_from).resolve())
+    if reference.startswith("builtin:"):
+        return None
+    if Path(reference).expanduser().is_dir():
+        return str(Path(reference).expanduser().resolve())
+    return reference
