@@ -9,10 +9,11 @@ MLflow run tree, lineage tags, retries and the registry decision are shared with
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import pandas as pd
-from flytekit import Cache, Resources, task
+from flytekit import Cache, Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
@@ -24,14 +25,14 @@ from images import CPU_IMAGE
 
 from .common import (
     DatasetDigests,
-    FlyteCheckpoints,
     RegisteredVersion,
     close_failed_runs,
     execution_tags,
+    open_run_folder,
     open_train_stage,
     publish_report,
     resolved_or_given,
-    resume_point,
+    run_callbacks,
     stage_dir,
 )
 
@@ -97,10 +98,14 @@ def warm_start_stage(config: BDLMConfig, run: TrackingRun, checkpoint_dir: str) 
     from diffusionrl import tracking
     from diffusionrl.bdlm import warm_start
 
-    out = stage_dir(checkpoint_dir, "warm_start")
+    from diffusionrl.storage import RunFolder
+
+    staging = Path(current_context().working_directory) / "warm"
+    folder = RunFolder(stage_dir(checkpoint_dir, "warm_start"), staging=staging)
     stage = tracking.stage_run(run, "warm_start")
-    model_dir = warm_start(config, out)
-    tracking.log_metrics_file(run, stage, out / "metrics.jsonl", config.tracking.log_retries)
+    model_dir = warm_start(config, folder.local)
+    folder.push_changed()
+    tracking.log_metrics_file(run, stage, folder.local / "metrics.jsonl", config.tracking.log_retries)
     tracking.finish_quietly(run, stage)
     return FlyteDirectory(str(model_dir))
 
@@ -124,14 +129,14 @@ def train_bdlm(config: BDLMConfig, run: TrackingRun, init_model: FlyteDirectory,
     if split_frames(config.task)[2] != data_digest:
         raise RuntimeError(f"the digit task generator no longer reproduces the prepared data (digest {data_digest}); "
                            "bump prepare_digits' cache version")
-    out = stage_dir(checkpoint_dir, "grpo")
-    resume = resume_point(out)
-    stage = open_train_stage(run, out, config.tracking.log_retries)
+    folder, resume = open_run_folder(stage_dir(checkpoint_dir, "grpo"))
+    stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
     logger = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
-    result = train_grpo(config, out, init_model.download(), resume=resume, callbacks=[FlyteCheckpoints(), logger])
+    callbacks = [*run_callbacks(folder, config.grpo.keep_checkpoints), logger]
+    result = train_grpo(config, folder.local, init_model.download(), resume=resume, callbacks=callbacks)
     tracking.finish_quietly(run, stage)
-    return BDLMTrainOutputs(FlyteDirectory(str(result.model_dir)), FlyteDirectory(str(out / "traces")),
-                            pd.DataFrame(result.metrics), str(out))
+    return BDLMTrainOutputs(FlyteDirectory(str(result.model_dir)), FlyteDirectory(folder.uri_of("traces")),
+                            pd.DataFrame(result.metrics), folder.uri)
 
 
 class BDLMEvalOutputs(NamedTuple):

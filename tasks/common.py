@@ -7,6 +7,7 @@ errors, Decks) and the ``diffusionrl`` library.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 # Test/ops hook: make a train task fail (retryably) after this many steps of an attempt.
 FAULT_ENV = "DIFFUSIONRL_FAULT_AFTER_STEPS"
+RUN_POINTER = "run.json"  # the Flyte intra-task checkpoint: {"run_uri": ..., "step": ...}
 
 # Local executions all report the id "local": a process gets its own id instead, so that a failure
 # handler finds its execution's runs (local executions of one process run one after another).
@@ -92,12 +94,12 @@ class DatasetDigests(NamedTuple):
 # -- the train stage ----------------------------------------------------------------------------------
 
 
-def stage_dir(checkpoint_dir: str, name: str = "") -> Path:
-    """``checkpoint_dir/name`` (kept across runs) or a folder in the task's working directory."""
-    root = Path(checkpoint_dir) if checkpoint_dir else Path(current_context().working_directory) / "train"
-    out = root / name if name else root
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+def stage_dir(checkpoint_dir: str, name: str = "") -> str:
+    """Where a stage keeps its run folder: ``checkpoint_dir[/name]`` (a local folder or an
+    object-store URI, kept across executions), else a folder under this attempt's raw output prefix
+    (an object-store prefix on a cluster, so it outlives the pod; a temporary folder locally)."""
+    root = checkpoint_dir.rstrip("/") if checkpoint_dir else f"{current_context().raw_output_prefix.rstrip('/')}/run"
+    return f"{root}/{name}" if name else root
 
 
 def flyte_checkpoint():
@@ -107,30 +109,51 @@ def flyte_checkpoint():
         return None
 
 
-def resume_point(run_dir: Path) -> Path | None:
-    """Where a train attempt resumes: this execution's Flyte checkpoint (a retried attempt; saved
-    again at once, since an attempt only sees the previous attempt's), else the latest checkpoint
-    in ``run_dir/checkpoints`` (a folder kept across runs), else nothing (a fresh start)."""
+def open_run_folder(uri: str):
+    """The train stage's ``RunFolder`` and the checkpoint to resume from.
+
+    A retried attempt finds the run folder of the attempt before it in the execution's Flyte
+    checkpoint (``run.json``: one small file, so it is never half-written) and resumes from that
+    folder's published checkpoint; otherwise the folder is ``uri`` and the run resumes from its
+    latest checkpoint, if any (a re-launched execution with the same ``checkpoint_dir``). The
+    pointer is saved again at once: an attempt only sees the previous attempt's checkpoint.
+    """
     from diffusionrl.checkpoint import latest_checkpoint
+    from diffusionrl.storage import RunFolder
 
     cp = flyte_checkpoint()
     restored = cp.restore() if cp is not None else None
-    if restored is not None and (Path(restored) / "state.json").is_file():
-        cp.save(Path(restored))
-        resume = Path(restored)
-    else:
-        resume = latest_checkpoint(run_dir / "checkpoints")
+    pointer = Path(restored) / RUN_POINTER if restored is not None else None
+    if pointer is not None and pointer.is_file():
+        uri = json.loads(pointer.read_text())["run_uri"]
+        log.info("retried attempt: continuing the run folder %s", uri)
+    staging = Path(current_context().working_directory) / "run"
+    folder = RunFolder(uri, staging=staging)
+    save_run_pointer(folder)
+    resume = folder.pull() if folder.remote else latest_checkpoint(folder.local / "checkpoints")
     if resume is not None:
         log.info("resuming from %s", resume)
-    return resume
+    return folder, resume
+
+
+def save_run_pointer(folder, step: int | None = None) -> None:
+    """Record the run folder (and the step of its last checkpoint) in the Flyte checkpoint."""
+    cp = flyte_checkpoint()
+    if cp is None:
+        return
+    pointer = Path(tempfile.mkdtemp(dir=current_context().working_directory)) / RUN_POINTER
+    pointer.write_text(json.dumps({"run_uri": folder.uri, "step": step}))
+    cp.save(pointer)
 
 
 class FlyteCheckpoints(Callback):
-    """Every loop checkpoint also saved as the execution's Flyte checkpoint (what a retried attempt
-    resumes from); ``$DIFFUSIONRL_FAULT_AFTER_STEPS=K`` fails the attempt retryably after K steps."""
+    """After every loop checkpoint (published to the run folder by ``storage.SyncRunFolder``, which
+    runs first), the run folder pointer saved as the execution's Flyte checkpoint, what a retried
+    attempt resumes from; ``$DIFFUSIONRL_FAULT_AFTER_STEPS=K`` fails the attempt retryably after
+    K steps (tests, drills)."""
 
-    def __init__(self):
-        self.cp = flyte_checkpoint()
+    def __init__(self, folder):
+        self.folder = folder
         fault = os.environ.get(FAULT_ENV)
         self.fault_after = int(fault) if fault else None
         self.steps_this_attempt = 0
@@ -139,13 +162,20 @@ class FlyteCheckpoints(Callback):
         self.steps_this_attempt += 1
 
     def on_checkpoint(self, loop, path) -> None:
-        if self.cp is not None:
-            self.cp.save(path)
+        save_run_pointer(self.folder, loop.step)
         if self.fault_after is not None and self.steps_this_attempt >= self.fault_after:
             raise FlyteRecoverableException(f"injected fault after {self.steps_this_attempt} steps ({FAULT_ENV})")
 
 
-def open_train_stage(run: TrackingRun, run_dir: Path, attempts: int) -> str:
+def run_callbacks(folder, keep: int, *writers: Callback) -> list[Callback]:
+    """The train stage's callbacks in their order: what writes into the run folder, the sync to
+    the store, the Flyte checkpoint pointer."""
+    from diffusionrl.storage import SyncRunFolder
+
+    return [*writers, SyncRunFolder(folder, keep), FlyteCheckpoints(folder)]
+
+
+def open_train_stage(run: TrackingRun, run_dir: str, attempts: int) -> str:
     """The ``train`` stage run, tagged with its run folder; an unreachable store is retryable."""
     try:
         return tracking.open_stage(run, "train", attempts, tags={"run_dir": str(run_dir)})
@@ -190,8 +220,10 @@ def publish_report(run: TrackingRun, page: str, run_dir: str) -> FlyteFile:
     Deck("Report", page)
     out = Path(tempfile.mkdtemp(dir=current_context().working_directory)) / "report.html"
     out.write_text(page)
-    if Path(run_dir).is_dir():
-        (Path(run_dir) / "report.html").write_text(page)
+    from diffusionrl.storage import is_remote, write_text
+
+    if is_remote(run_dir) or Path(run_dir).is_dir():
+        write_text(f"{run_dir.rstrip('/')}/report.html", page)
     tracking.client(run.uri).log_artifact(run.run_id, str(out))
     tracking.finish(run)
     return FlyteFile(str(out))

@@ -28,14 +28,14 @@ from images import CPU_IMAGE, GPU_IMAGE
 
 from .common import (
     DatasetDigests,
-    FlyteCheckpoints,
     RegisteredVersion,
     close_failed_runs,
     execution_tags,
+    open_run_folder,
     open_train_stage,
     publish_report,
     resolved_or_given,
-    resume_point,
+    run_callbacks,
     stage_dir,
 )
 
@@ -185,21 +185,23 @@ RAY_CONFIG = RayJobConfig(
 @task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, interruptible=True, retries=3, enable_deck=False)
 def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame, prompts_digest: str,
           model_dir: FlyteDirectory, checkpoint_dir: str, run: TrackingRun) -> TrainOutputs:
-    """The RL loop as a Ray job. Resumes, in order, from this execution's Flyte checkpoint (a
-    retried attempt), from ``checkpoint_dir`` (a local folder kept across runs), or starts fresh."""
+    """The RL loop as a Ray job, in the run folder ``checkpoint_dir`` (a local folder or an object-store
+    URI, kept across executions; default: under this attempt's raw output prefix). Resumes, in order,
+    from the run folder a previous attempt of this execution recorded in the Flyte checkpoint, from
+    the run folder's latest checkpoint, or starts fresh."""
     from diffusionrl import tracking
     from diffusionrl.train import train as run_training
 
-    run_dir = stage_dir(checkpoint_dir)
-    resume = resume_point(run_dir)
-    trajectories = ParquetTrajectories(run_dir / "trajectories", run.execution_id, config.train.save_latents)
+    folder, resume = open_run_folder(stage_dir(checkpoint_dir))
+    trajectories = ParquetTrajectories(folder.local / "trajectories", run.execution_id, config.train.save_latents)
     prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
-    stage = open_train_stage(run, run_dir, config.tracking.log_retries)
+    stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
     metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
                                        attempts=config.tracking.log_retries)
+    callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, trajectories), metrics_cb]
     try:
-        result = run_training(config, run_dir, resume=resume, prompts=prompts, model_path=model_dir.download(),
-                              callbacks=[trajectories, FlyteCheckpoints(), metrics_cb])
+        result = run_training(config, folder.local, resume=resume, prompts=prompts, model_path=model_dir.download(),
+                              callbacks=callbacks)
     except (ConnectionError, TimeoutError) as exc:  # engine/server faults: worth a retry
         raise FlyteRecoverableException(f"transient failure in training: {exc}") from exc
     except RuntimeError as exc:
@@ -208,8 +210,8 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
         raise
     tracking.finish_quietly(run, stage)
     lora = result.extra_dirs.get("ema", result.model_dir) if config.eval.use_ema else result.model_dir
-    return TrainOutputs(FlyteDirectory(str(lora)), FlyteDirectory(str(run_dir / "trajectories")),
-                        pd.DataFrame(result.metrics), str(run_dir))
+    return TrainOutputs(FlyteDirectory(str(lora)), FlyteDirectory(folder.uri_of("trajectories")),
+                        pd.DataFrame(result.metrics), folder.uri)
 
 
 # -- evaluate -----------------------------------------------------------------------------------------------

@@ -1,0 +1,195 @@
+"""``RunFolder``: a run's folder as a local path or an object-store URI (``s3://``, ``gs://``, ...).
+
+Training always writes into a local folder (``local``); when the run folder is remote, that folder
+is a staging copy and ``RunFolder`` moves what must outlive the process to the store:
+
+- ``pull()`` before a run: the published checkpoint (``checkpoints/LATEST``) and ``metrics.jsonl``
+  come down, so a re-launched execution, on another machine, resumes where the last one stopped;
+- ``publish_checkpoint(path)``: the checkpoint goes up under a new versioned prefix
+  (``checkpoints/step-000012-<random>/``), and only when every file is there does the pointer
+  ``checkpoints/LATEST`` (one small object, written in one request) move to it: a reader never sees
+  a half-written checkpoint; older prefixes beyond ``keep`` are deleted after the pointer moved;
+- ``push(relpath)``: a file or folder (``metrics.jsonl``, a trajectory step file, the LoRA) goes up
+  under the same relative path; a re-run step overwrites its own files, so an interrupted and
+  resumed run ends with one file per step and one metrics row per step.
+
+For a local folder every method is a no-op (checkpoints are already written under a temporary
+name and renamed, ``diffusionrl.checkpoint``), so local runs behave exactly as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+from diffusionrl.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+POINTER = "LATEST"  # checkpoints/LATEST: {"name": "step-000012-ab12cd34", "step": 12}
+
+
+def is_remote(uri: str | Path) -> bool:
+    """An object-store (or any non-local fsspec) URI, as opposed to a plain or ``file://`` path."""
+    text = str(uri)
+    return "://" in text and not text.startswith("file://")
+
+
+def local_path(uri: str | Path) -> Path:
+    text = str(uri)
+    return Path(text[len("file://"):] if text.startswith("file://") else text)
+
+
+def write_text(uri: str | Path, text: str) -> None:
+    """Write ``text`` to a local path or an object-store URI."""
+    import fsspec
+
+    with fsspec.open(str(uri), "w", auto_mkdir=True) as fh:
+        fh.write(text)
+
+
+class RunFolder:
+    """The run folder at ``uri``; ``local`` is where the loop writes (``uri`` itself when local)."""
+
+    def __init__(self, uri: str | Path, staging: str | Path | None = None):
+        self.uri = str(uri).rstrip("/")
+        self.remote = is_remote(self.uri)
+        if self.remote:
+            import fsspec
+
+            self.fs, self.root = fsspec.core.url_to_fs(self.uri)
+            self.local = Path(staging) if staging else Path(tempfile.mkdtemp(prefix="run-"))
+        else:
+            self.fs, self.root = None, ""
+            self.local = local_path(self.uri)
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"RunFolder({self.uri!r}, local={str(self.local)!r})"
+
+    def uri_of(self, relpath: str) -> str:
+        """Where ``relpath`` of the run lives (a URI for a remote folder, a path otherwise)."""
+        return f"{self.uri}/{relpath}" if self.remote else str(self.local / relpath)
+
+    def _remote(self, relpath: str) -> str:
+        return f"{self.root}/{relpath}"
+
+    # -- files ----------------------------------------------------------------------------------
+    def push(self, relpath: str) -> None:
+        """Upload the local file or folder ``relpath`` (a folder: every file under it)."""
+        if not self.remote:
+            return
+        src = self.local / relpath
+        if src.is_dir():
+            for f in sorted(p for p in src.rglob("*") if p.is_file()):
+                self.fs.put_file(str(f), self._remote(str(f.relative_to(self.local))))
+        elif src.is_file():
+            self.fs.put_file(str(src), self._remote(relpath))
+
+    def pull_file(self, relpath: str) -> bool:
+        """Download ``relpath`` if the store has it; True if it did."""
+        if not self.remote or not self.fs.exists(self._remote(relpath)):
+            return False
+        dest = self.local / relpath
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get_file(self._remote(relpath), str(dest))
+        return True
+
+    def push_changed(self, skip: tuple[str, ...] = ("checkpoints",)) -> int:
+        """Upload every local file that is new or changed since the last call (folders in ``skip``
+        excluded); returns how many went up."""
+        if not self.remote:
+            return 0
+        seen = getattr(self, "_pushed", {})
+        sent = 0
+        for f in sorted(p for p in self.local.rglob("*") if p.is_file()):
+            rel = f.relative_to(self.local)
+            if rel.parts[0] in skip:
+                continue
+            st = f.stat()
+            key = (st.st_size, st.st_mtime_ns)
+            if seen.get(str(rel)) != key:
+                self.fs.put_file(str(f), self._remote(rel.as_posix()))
+                seen[str(rel)] = key
+                sent += 1
+        self._pushed = seen
+        return sent
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def latest_published(self) -> dict | None:
+        """The pointer record ``{"name", "step"}`` of the published checkpoint, if any."""
+        if not self.remote:
+            return None
+        pointer = self._remote(f"checkpoints/{POINTER}")
+        if not self.fs.exists(pointer):
+            return None
+        return json.loads(self.fs.cat_file(pointer))
+
+    def pull(self) -> Path | None:
+        """Bring the published checkpoint and ``metrics.jsonl`` into the local folder; returns the
+        local checkpoint path (``checkpoints/step-XXXXXX``), or None when nothing was published."""
+        if not self.remote:
+            return None
+        self.pull_file("metrics.jsonl")
+        record = self.latest_published()
+        if record is None:
+            return None
+        dest = self.local / "checkpoints" / f"step-{int(record['step']):06d}"
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        prefix = self._remote(f"checkpoints/{record['name']}")
+        for remote_file in self.fs.find(prefix):
+            rel = remote_file[len(prefix.rstrip("/")) + 1:]
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(remote_file, str(target))
+        log.info("pulled checkpoint %s (step %s) from %s", record["name"], record["step"], self.uri)
+        return dest
+
+    def publish_checkpoint(self, path: str | Path, step: int, keep: int = 0) -> str:
+        """Upload the checkpoint folder ``path`` under a new prefix, then move the pointer to it.
+        Returns the published name (remote) or the local path."""
+        path = Path(path)
+        if not self.remote:
+            return str(path)
+        name = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"
+        prefix = self._remote(f"checkpoints/{name}")
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            self.fs.put_file(str(f), f"{prefix}/{f.relative_to(path)}")
+        self.fs.pipe_file(self._remote(f"checkpoints/{POINTER}"), json.dumps({"name": name, "step": step}).encode())
+        self._prune(keep, current=name)
+        return name
+
+    def _prune(self, keep: int, current: str) -> None:
+        """Delete published prefixes beyond the newest ``keep`` (never the pointer's)."""
+        if keep <= 0:
+            return
+        root = self._remote("checkpoints")
+        names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)} - {POINTER})
+        for old in [n for n in names if n != current][: max(0, len(names) - keep)]:
+            self.fs.rm(f"{root}/{old}", recursive=True)
+
+
+class SyncRunFolder(Callback):
+    """Loop callback keeping a remote run folder current: after each step the new and changed
+    files (``metrics.jsonl``, trajectory step files, sample grids), at each checkpoint an atomic
+    publish, at the end the outputs (the LoRA folders). Add it after the callbacks that write
+    into the run folder."""
+
+    def __init__(self, folder: RunFolder, keep: int = 0):
+        self.folder = folder
+        self.keep = keep
+
+    def on_step(self, loop, step, batch, metrics) -> None:
+        self.folder.push_changed()
+
+    def on_checkpoint(self, loop, path) -> None:
+        self.folder.publish_checkpoint(path, loop.step, self.keep)
+
+    def on_end(self, loop) -> None:
+        self.folder.push_changed()

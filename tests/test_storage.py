@@ -1,0 +1,132 @@
+"""Run folders on an object store (fsspec ``memory://`` here; ``s3://`` in tests/test_cluster.py):
+atomic checkpoint publishing, pulling on another machine, and a run interrupted on one machine and
+resumed on another that ends where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import torch
+
+from diffusionrl.callbacks import Callback
+from diffusionrl.storage import POINTER, RunFolder, SyncRunFolder, is_remote
+
+from .conftest import saved_lora, tiny_config
+
+
+def store_uri() -> str:
+    return f"memory://runs/{uuid.uuid4().hex[:8]}"
+
+
+def fake_checkpoint(folder, step: int):
+    ckpt = folder.local / "checkpoints" / f"step-{step:06d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"step": step}))
+    (ckpt / "lora.safetensors").write_bytes(bytes([step]) * 64)
+    return ckpt
+
+
+def test_is_remote():
+    assert is_remote("s3://b/x") and is_remote("memory://x") and is_remote("gs://b")
+    assert not is_remote("/tmp/x") and not is_remote("runs/x") and not is_remote("file:///tmp/x")
+
+
+def test_published_checkpoint_and_metrics_come_down_on_another_machine(tmp_path):
+    uri = store_uri()
+    a = RunFolder(uri, staging=tmp_path / "a")
+    (a.local / "metrics.jsonl").write_text('{"step": 1}\n')
+    a.push_changed()
+    a.publish_checkpoint(fake_checkpoint(a, 1), step=1)
+    b = RunFolder(uri, staging=tmp_path / "b")
+    path = b.pull()
+    assert path == b.local / "checkpoints" / "step-000001"
+    assert (path / "lora.safetensors").read_bytes() == bytes([1]) * 64
+    assert (b.local / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_half_written_checkpoint_is_never_read(tmp_path, monkeypatch):
+    uri = store_uri()
+    a = RunFolder(uri, staging=tmp_path / "a")
+    a.publish_checkpoint(fake_checkpoint(a, 1), step=1)
+    calls = {"n": 0}
+    real = a.fs.put_file
+
+    def dies_after_one_file(src, dst, **kw):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise ConnectionError("preempted mid-upload")
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(a.fs, "put_file", dies_after_one_file)
+    with pytest.raises(ConnectionError):
+        a.publish_checkpoint(fake_checkpoint(a, 2), step=2)
+    monkeypatch.undo()
+    assert a.latest_published()["step"] == 1  # the pointer never moved to the torn prefix
+    path = RunFolder(uri, staging=tmp_path / "b").pull()
+    assert path.name == "step-000001" and (path / "lora.safetensors").read_bytes() == bytes([1]) * 64
+
+
+def test_old_checkpoints_pruned_but_never_the_pointers(tmp_path):
+    uri = store_uri()
+    a = RunFolder(uri, staging=tmp_path / "a")
+    for step in (1, 2, 3):
+        a.publish_checkpoint(fake_checkpoint(a, step), step=step, keep=2)
+    names = sorted(p.rsplit("/", 1)[-1] for p in a.fs.ls(f"{a.root}/checkpoints", detail=False))
+    assert [n.split("-")[1] for n in names if n != POINTER] == ["000002", "000003"]
+    assert a.latest_published()["step"] == 3
+
+
+def test_push_changed_sends_only_new_or_changed_files(tmp_path):
+    a = RunFolder(store_uri(), staging=tmp_path / "a")
+    (a.local / "metrics.jsonl").write_text("1\n")
+    (a.local / "trajectories").mkdir()
+    (a.local / "trajectories" / "step-000001.parquet").write_bytes(b"x")
+    fake_checkpoint(a, 1)
+    assert a.push_changed() == 2  # checkpoints/ travel only through publish_checkpoint
+    assert a.push_changed() == 0
+    with (a.local / "metrics.jsonl").open("a") as fh:
+        fh.write("2\n")
+    assert a.push_changed() == 1
+    assert a.fs.cat_file(f"{a.root}/metrics.jsonl") == b"1\n2\n"
+
+
+class WriteTrajectories(Callback):
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_step(self, loop, step, batch, metrics):
+        from diffusionrl.trajectory_store import write_step
+
+        write_step(self.folder.local / "trajectories", batch, run_id="t", step=step, images=False)
+
+
+def test_run_resumed_on_another_machine_equals_uninterrupted(tmp_path):
+    """Two steps, then the machine is gone (its local folder deleted); a new machine pulls the
+    published checkpoint and finishes: same LoRA, one metrics row and one trajectory per step."""
+    import shutil
+
+    from diffusionrl.train import train
+
+    cfg = tiny_config("train.steps=3")
+    train(cfg, tmp_path / "full", resume=None, progress=False)
+
+    uri = store_uri()
+    first = RunFolder(uri, staging=tmp_path / "m1")
+    train(cfg, first.local, resume=None, stop_after=2, progress=False,
+          callbacks=[WriteTrajectories(first), SyncRunFolder(first, keep=1)])
+    shutil.rmtree(first.local)
+    second = RunFolder(uri, staging=tmp_path / "m2")
+    resume = second.pull()
+    assert resume is not None and resume.name == "step-000002"
+    result = train(cfg, second.local, resume=resume, progress=False,
+                   callbacks=[WriteTrajectories(second), SyncRunFolder(second, keep=1)])
+    assert result.steps_done == 3
+    a, b = saved_lora(tmp_path / "full"), saved_lora(second.local)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in second.fs.cat_file(f"{second.root}/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    files = sorted(p.rsplit("/", 1)[-1] for p in second.fs.ls(f"{second.root}/trajectories", detail=False))
+    assert files == ["step-000001.parquet", "step-000002.parquet", "step-000003.parquet"]
+    assert second.fs.exists(f"{second.root}/lora/adapter_model.safetensors")
