@@ -218,6 +218,32 @@ def _fsspec_download(source: str) -> Path:
     return local
 
 
+def source_fingerprint(source: str) -> str:
+    """What a cache of prepared prompts keys on, read without parsing anything: the bytes of a local
+    file or folder, the object store's ETag/size/mtime of a remote one (a refreshed ``latest/``
+    prefix changes it), the source string itself for generators and hub files (pinned by
+    ``@revision``). A missing path gets a key of its own; ``load_prompts`` then names the problem."""
+    digest = hashlib.sha256(source.encode())
+    if source.startswith(("builtin:", "hf://")):
+        return digest.hexdigest()[:16]
+    if "://" in source:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(source)
+        files = sorted(fs.find(path)) if fs.isdir(path) else [path]
+        for f in files:
+            info = fs.info(f)
+            stamp = {k: str(info.get(k)) for k in ("name", "size", "ETag", "etag", "mtime", "LastModified") if k in info}
+            digest.update(json.dumps(stamp, sort_keys=True).encode())
+        return digest.hexdigest()[:16]
+    path = Path(source).expanduser()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+    for f in files:
+        digest.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        digest.update(hashlib.sha256(f.read_bytes()).digest())
+    return digest.hexdigest()[:16] if files else f"missing-{digest.hexdigest()[:16]}"
+
+
 def load_prompts(data_cfg, validate=None) -> PromptSet:
     """Load, validate and split the prompts of ``data_cfg`` (a ``DataConfig``).
 

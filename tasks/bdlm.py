@@ -9,6 +9,7 @@ MLflow run tree, lineage tags, retries and the registry decision are shared with
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -31,10 +32,12 @@ from .common import (
     open_run_folder,
     open_train_stage,
     publish_report,
+    require_shared_store,
     resolved_or_given,
     run_callbacks,
     stage_dir,
 )
+from .resources import CPU_TASK, MLFLOW, load_secrets
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +49,22 @@ def resolve_bdlm_config(config: BDLMConfig, overrides: list[str]) -> BDLMConfig:
     return BDLMConfig.from_dict(apply_overrides(config.to_dict(), overrides))
 
 
-@task(container_image=CPU_IMAGE)
+@task(**CPU_TASK, secret_requests=MLFLOW)
 def on_bdlm_failure(config: BDLMConfig, overrides: list[str], checkpoint_dir: str,
                     err: Optional[FlyteError] = None) -> None:
     """Failure handler of ``bdlm``: the MLflow runs it left open are marked FAILED."""
+    load_secrets(MLFLOW)
     close_failed_runs(resolved_or_given(config, overrides).tracking, err)
 
 
-@task(container_image=CPU_IMAGE)
+@task(**CPU_TASK, secret_requests=MLFLOW)
 def start_bdlm_run(config: BDLMConfig) -> TrackingRun:
     """Preflight the MLflow store (fails fast, naming the URI) and open this execution's run."""
+    load_secrets(MLFLOW)
     from diffusionrl.bdlm import OBJECTIVE
-    from diffusionrl.tracking import start_workflow_run
+    from diffusionrl.tracking import resolve_uri, start_workflow_run
 
+    require_shared_store(resolve_uri(config.tracking.uri))
     return start_workflow_run(config, execution_tags(), {"algorithm": OBJECTIVE, "task": config.task.kind})
 
 
@@ -76,10 +82,11 @@ def prepare_digits(task_cfg: TaskConfig) -> DigitSplits:
     return DigitSplits(*split_frames(task_cfg))
 
 
-@task(container_image=CPU_IMAGE)
+@task(**CPU_TASK, secret_requests=MLFLOW)
 def track_digits(run: TrackingRun, config: BDLMConfig, train: pd.DataFrame, test: pd.DataFrame,
                  digest: str) -> DatasetDigests:
     """The ``prepare`` stage run: splits as MLflow datasets; data and initial-weight digests as tags."""
+    load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.bdlm import load_bdlm, weights_digest
 
@@ -92,9 +99,10 @@ def track_digits(run: TrackingRun, config: BDLMConfig, train: pd.DataFrame, test
     return DatasetDigests(digests["train"], digests["test"])
 
 
-@task(container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="4Gi"))
+@task(**CPU_TASK, secret_requests=MLFLOW, requests=Resources(cpu="2", mem="4Gi"))
 def warm_start_stage(config: BDLMConfig, run: TrackingRun, checkpoint_dir: str) -> FlyteDirectory:
     """Masked-diffusion supervised warm start (``warm_start`` stage run: its loss per step)."""
+    load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.bdlm import warm_start
 
@@ -117,11 +125,13 @@ class BDLMTrainOutputs(NamedTuple):
     run_dir: str
 
 
-@task(container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="4Gi"), interruptible=True, retries=3)
+@task(**CPU_TASK, secret_requests=MLFLOW, requests=Resources(cpu="2", mem="4Gi"), interruptible=True, retries=3,
+      timeout=timedelta(hours=24))
 def train_bdlm(config: BDLMConfig, run: TrackingRun, init_model: FlyteDirectory, checkpoint_dir: str,
                data_digest: str) -> BDLMTrainOutputs:
     """GRPO on exact traces. Resumes from this execution's Flyte checkpoint (a retried attempt),
     else from ``checkpoint_dir/grpo/checkpoints``, else starts from the warm start."""
+    load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.bdlm import train_grpo
     from diffusionrl.bdlm.task import split_frames
@@ -144,10 +154,11 @@ class BDLMEvalOutputs(NamedTuple):
     summary: dict[str, float]
 
 
-@task(container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="4Gi"))
+@task(**CPU_TASK, secret_requests=MLFLOW, requests=Resources(cpu="2", mem="4Gi"))
 def evaluate_bdlm(config: BDLMConfig, run: TrackingRun, warm_model: FlyteDirectory,
                   model: FlyteDirectory) -> BDLMEvalOutputs:
     """Greedy decoding of the held-out split by the warm start ("base") and the GRPO policy."""
+    load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.bdlm import compare
 
@@ -156,11 +167,12 @@ def evaluate_bdlm(config: BDLMConfig, run: TrackingRun, warm_model: FlyteDirecto
     return BDLMEvalOutputs(table, summary)
 
 
-@task(container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="4Gi"))
+@task(**CPU_TASK, secret_requests=MLFLOW, requests=Resources(cpu="2", mem="4Gi"))
 def register_bdlm(config: BDLMConfig, run: TrackingRun, model: FlyteDirectory, test_digest: str,
                   data_digest: str, eval_summary: dict[str, float]) -> RegisteredVersion:
     """Log the policy as a pyfunc model that decodes prompts, register a version (``candidate``)
     and move ``champion`` only if it beats the current one on the same evaluation."""
+    load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.bdlm.serving import register_bdlm_model
 
@@ -171,11 +183,12 @@ def register_bdlm(config: BDLMConfig, run: TrackingRun, model: FlyteDirectory, t
     return RegisteredVersion.record(run, reg)
 
 
-@task(container_image=CPU_IMAGE, enable_deck=True)
+@task(**CPU_TASK, secret_requests=MLFLOW, enable_deck=True)
 def report_bdlm(config: BDLMConfig, run: TrackingRun, metrics: pd.DataFrame, eval_table: pd.DataFrame,
                 eval_summary: dict[str, float], model: FlyteDirectory, traces: FlyteDirectory, run_dir: str,
                 registered: RegisteredVersion) -> FlyteFile:
     """HTML report (Deck, a copy in the run folder, an artifact of the MLflow run, which it closes)."""
+    load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.report import build_report
 

@@ -68,6 +68,22 @@ def execution_tags() -> dict[str, str]:
     return out
 
 
+def on_cluster() -> bool:
+    """True inside a task pod of a Flyte cluster (propeller sets the execution id variables)."""
+    return bool(os.environ.get("FLYTE_INTERNAL_EXECUTION_ID")) and not flyte_execution_id().startswith("local")
+
+
+def require_shared_store(uri: str) -> None:
+    """On a cluster, tasks share no disk: a file-backed MLflow store would be a different, empty
+    store in every pod. Fail in the first task, naming the URI and the fix."""
+    if on_cluster() and (uri.startswith(("sqlite:", "file:")) or "://" not in uri):
+        raise ValueError(
+            f"MLflow store {uri} is a file inside this pod, and the tasks of a cluster execution share no disk: "
+            "set tracking.uri in the config (or MLFLOW_TRACKING_URI when registering: make package "
+            "MLFLOW_TRACKING_URI=http://mlflow.example:5000) to a tracking server every pod can reach"
+        )
+
+
 def close_failed_runs(tracking_cfg, err: FlyteError | None) -> None:
     """Body of the workflows' failure handlers: this execution's open MLflow runs -> FAILED."""
     message = err.message if err is not None else "workflow failed"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -18,13 +19,25 @@ from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
-from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from diffusionrl.callbacks import Callback
 from diffusionrl.config import Config, DataConfig, RewardConfig, apply_overrides
 from diffusionrl.data import PromptSet, load_prompts
 from diffusionrl.tracking import TrackingRun
 from images import CPU_IMAGE, GPU_IMAGE
+
+from .resources import (
+    ACCELERATOR,
+    CPU_TASK,
+    ENVIRONMENT,
+    GPU_TASK,
+    HF_MLFLOW,
+    MLFLOW,
+    RAY_CONFIG,
+    TIMEOUTS,
+    load_secrets,
+    secrets,
+)
 
 from .common import (
     DatasetDigests,
@@ -34,6 +47,7 @@ from .common import (
     open_run_folder,
     open_train_stage,
     publish_report,
+    require_shared_store,
     resolved_or_given,
     run_callbacks,
     stage_dir,
@@ -42,7 +56,7 @@ from .common import (
 log = logging.getLogger(__name__)
 
 # Bump when a task's outputs change for the same inputs (the cache key is name + version + inputs).
-PREPARE_CACHE = Cache(version="prompts-v1")
+PREPARE_CACHE = Cache(version="prompts-v2")
 FETCH_CACHE = Cache(version="checkpoint-v1")
 
 
@@ -55,25 +69,29 @@ def resolve_config(config: Config, overrides: list[str]) -> Config:
     return Config.from_dict(apply_overrides(config.to_dict(), overrides))
 
 
-@task(container_image=CPU_IMAGE)
+@task(**CPU_TASK, secret_requests=MLFLOW)
 def start_run(config: Config) -> TrackingRun:
     """Preflight the MLflow store (fails fast, naming the URI) and open this execution's run."""
-    from diffusionrl.tracking import start_workflow_run
+    load_secrets(MLFLOW)
+    from diffusionrl.tracking import resolve_uri, start_workflow_run
 
+    require_shared_store(resolve_uri(config.tracking.uri))
     return start_workflow_run(config, execution_tags())
 
 
-@task(container_image=CPU_IMAGE)
+@task(**CPU_TASK, secret_requests=MLFLOW)
 def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, err: Optional[FlyteError] = None) -> None:
     """Failure handler of ``grpo``: the MLflow runs it left open are marked FAILED."""
+    load_secrets(MLFLOW)
     close_failed_runs(resolved_or_given(config, overrides).tracking, err)
 
 
-@task(container_image=CPU_IMAGE)
+@task(**CPU_TASK, secret_requests=MLFLOW)
 def track_inputs(run: TrackingRun, config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame,
                  prompts_digest: str, model_digest: str) -> DatasetDigests:
     """The ``prepare`` stage run: prompt splits as MLflow datasets (Parquet + digest) and the data
     and weight digests as lineage tags."""
+    load_secrets(MLFLOW)
     from diffusionrl import tracking
 
     stage = tracking.stage_run(run, "prepare")
@@ -85,6 +103,12 @@ def track_inputs(run: TrackingRun, config: Config, train_prompts: pd.DataFrame, 
         client.log_metric(stage, f"data/{split}_prompts", float(len(df)))
     tracking.finish(run, stage)
     return DatasetDigests(digests["train"], digests["test"])
+
+
+@task(container_image=CPU_IMAGE)
+def nightly_run_dir(runs_root: str, run_date: datetime) -> str:
+    """``runs_root/<run_date>`` (e.g. ``s3://bucket/nightly/2026-12-01T03-00``), or '' without a root."""
+    return f"{runs_root.rstrip('/')}/{run_date.strftime('%Y-%m-%dT%H-%M')}" if runs_root else ""
 
 
 # -- prepare_prompts -----------------------------------------------------------------------------------
@@ -107,9 +131,21 @@ def rows_from_frame(df: pd.DataFrame) -> list[dict]:
     return [{"prompt": p, **json.loads(m)} for p, m in zip(df["prompt"], df["metadata_json"])]
 
 
-@task(cache=PREPARE_CACHE, container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
-def prepare_prompts(data: DataConfig, reward: RewardConfig) -> Prompts:
-    """Prompt source -> validated, deterministically split train/test tables + content digest."""
+@task(container_image=CPU_IMAGE, secret_requests=secrets("hf"))
+def fingerprint_prompts(data: DataConfig) -> str:
+    """The prompt source's content fingerprint (file bytes, or the store's ETags): the key under which
+    ``prepare_prompts`` is cached, so an edited file or a refreshed prefix is prepared again."""
+    from diffusionrl.data import source_fingerprint
+
+    return source_fingerprint(data.source)
+
+
+@task(cache=PREPARE_CACHE, container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"),
+      secret_requests=secrets("hf"))
+def prepare_prompts(data: DataConfig, reward: RewardConfig, fingerprint: str) -> Prompts:
+    """Prompt source -> validated, deterministically split train/test tables + content digest.
+    Cached on (``data``, ``reward``, ``fingerprint``): the same content is prepared once."""
+    load_secrets(secrets("hf"))
     from diffusionrl.rewards import prompt_validator
 
     ps = load_prompts(data, validate=prompt_validator(reward))
@@ -125,10 +161,12 @@ class Checkpoint(NamedTuple):
     digest: str
 
 
-@task(cache=FETCH_CACHE, container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="60Gi"))
+@task(cache=FETCH_CACHE, **CPU_TASK, secret_requests=secrets("hf"), timeout=TIMEOUTS["fetch"], retries=2,
+      requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="80Gi"))
 def fetch_checkpoint(reference: str, revision: str) -> Checkpoint:
     """Model reference -> diffusers folder + digest. ``HF_TOKEN`` comes from the environment (or a
     Flyte secret mounted as that variable) and only ever reaches the hub client."""
+    load_secrets(secrets("hf"))
     from diffusionrl.models.fetch import fetch_model, folder_digest
 
     dest = Path(current_context().working_directory) / "model"
@@ -160,35 +198,15 @@ class ParquetTrajectories(Callback):
         write_step(self.traj_dir, batch, run_id=self.run_id, step=step, images=True, latents=self.latents)
 
 
-# The reference layout (sd35m-ocr: train.world_size=2, colocated): the head holds 2 GPU bundles of
-# 4 CPUs (a trainer rank + an SGLang engine each) plus the driver; `train-gpu` workers (2 GPUs
-# each) join when train.world_size grows past the head's GPUs; reward actors run on `reward-cpu`.
-# Several nodes need checkpoint_dir and the model folder on shared storage (docs/scaling.md).
-_GPU_NODE = Resources(cpu="10", mem="96Gi", gpu="2")
-RAY_CONFIG = RayJobConfig(
-    head_node_config=HeadNodeConfig(
-        ray_start_params={"num-cpus": "10", "num-gpus": "2", "log-color": "False"},
-        requests=_GPU_NODE,
-        limits=_GPU_NODE,
-    ),
-    worker_node_config=[
-        WorkerNodeConfig(group_name="train-gpu", replicas=0, min_replicas=0, max_replicas=4,
-                         requests=_GPU_NODE, limits=_GPU_NODE),
-        WorkerNodeConfig(group_name="reward-cpu", replicas=1, min_replicas=0, max_replicas=4,
-                         requests=Resources(cpu="8", mem="16Gi")),
-    ],
-    shutdown_after_job_finishes=True,
-    ttl_seconds_after_finished=600,
-)
-
-
-@task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, interruptible=True, retries=3, enable_deck=False)
+@task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, environment=ENVIRONMENT, secret_requests=HF_MLFLOW,
+      interruptible=True, retries=3, timeout=TIMEOUTS["train"], enable_deck=False)
 def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame, prompts_digest: str,
           model_dir: FlyteDirectory, checkpoint_dir: str, run: TrackingRun) -> TrainOutputs:
     """The RL loop as a Ray job, in the run folder ``checkpoint_dir`` (a local folder or an object-store
     URI, kept across executions; default: under this attempt's raw output prefix). Resumes, in order,
     from the run folder a previous attempt of this execution recorded in the Flyte checkpoint, from
     the run folder's latest checkpoint, or starts fresh."""
+    load_secrets(HF_MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.train import train as run_training
 
@@ -223,10 +241,12 @@ class EvalOutputs(NamedTuple):
     grid: FlyteFile
 
 
-@task(container_image=GPU_IMAGE, requests=Resources(cpu="4", mem="32Gi", gpu="1"))
+@task(container_image=GPU_IMAGE, environment=ENVIRONMENT, secret_requests=HF_MLFLOW, requests=GPU_TASK,
+      accelerator=ACCELERATOR, timeout=TIMEOUTS["evaluate"], retries=2)
 def evaluate(config: Config, test_prompts: pd.DataFrame, model_dir: FlyteDirectory, lora: FlyteDirectory,
              run: TrackingRun) -> EvalOutputs:
     """ODE sampling on held-out prompts with the base model and with the LoRA, same seeds."""
+    load_secrets(HF_MLFLOW)
     from PIL import Image
 
     from diffusionrl import tracking
@@ -243,12 +263,14 @@ def evaluate(config: Config, test_prompts: pd.DataFrame, model_dir: FlyteDirecto
 # -- register -----------------------------------------------------------------------------------------------
 
 
-@task(container_image=GPU_IMAGE, requests=Resources(cpu="4", mem="32Gi", gpu="1"))
+@task(container_image=GPU_IMAGE, environment=ENVIRONMENT, secret_requests=HF_MLFLOW, requests=GPU_TASK,
+      accelerator=ACCELERATOR, timeout=TIMEOUTS["register"], retries=2)
 def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: FlyteDirectory, model_digest: str,
              test_prompts: pd.DataFrame, test_digest: str, prompts_digest: str,
              eval_summary: dict[str, float]) -> RegisteredVersion:
     """Log the LoRA as an ``mlflow.diffusers`` model, register a version (alias ``candidate``) and
     move ``champion`` only if it beats the current one on the same evaluation."""
+    load_secrets(HF_MLFLOW)
     from diffusionrl import registry, tracking
 
     lineage = tracking.lineage(run, dataset_digest=prompts_digest, test_dataset_digest=test_digest,
@@ -261,11 +283,12 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
 # -- report -------------------------------------------------------------------------------------------------
 
 
-@task(container_image=CPU_IMAGE, enable_deck=True)
+@task(**CPU_TASK, secret_requests=MLFLOW, enable_deck=True)
 def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval_summary: dict[str, float],
            grid: FlyteFile, lora: FlyteDirectory, trajectories: FlyteDirectory, run_dir: str,
            prompts_digest: str, model_digest: str, run: TrackingRun, registered: RegisteredVersion) -> FlyteFile:
     """HTML report (also shown as the task's Flyte Deck and logged to the MLflow run, which it closes)."""
+    load_secrets(MLFLOW)
     import numpy as np
     from PIL import Image
 

@@ -56,3 +56,36 @@ def test_builtin_generator_and_sampler_are_deterministic():
     assert sampler.batch(3) == PromptSampler(a.train, per_step=5, seed=1).batch(3)
     epoch = [r["prompt"] for s in range(len(a.train)) for r in sampler.batch(s)[0]][: len(a.train)]
     assert sorted(epoch) == sorted(r["prompt"] for r in a.train)  # one epoch covers every prompt once
+
+
+def test_fingerprint_follows_content_not_path(tmp_path):
+    """The prepared-prompt cache keys on this: an edited file gets a new key, an unchanged one not."""
+    from diffusionrl.data import source_fingerprint
+
+    f = tmp_path / "prompts.txt"
+    f.write_text("a cat\na dog\n")
+    first = source_fingerprint(str(f))
+    assert source_fingerprint(str(f)) == first
+    f.write_text("a cat\na bird\n")
+    assert source_fingerprint(str(f)) != first
+    folder = tmp_path / "split"
+    folder.mkdir()
+    (folder / "train.txt").write_text("a\n")
+    (folder / "test.txt").write_text("b\n")
+    before = source_fingerprint(str(folder))
+    (folder / "test.txt").write_text("c\n")
+    assert source_fingerprint(str(folder)) != before
+    assert source_fingerprint(str(tmp_path / "missing.txt")).startswith("missing-")
+    assert source_fingerprint("builtin:objects") == source_fingerprint("builtin:objects")
+
+
+def test_fingerprint_of_an_object_store_prefix_follows_its_objects():
+    import fsspec
+
+    from diffusionrl.data import source_fingerprint
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/prompts/latest/train.txt", b"a\n")
+    first = source_fingerprint("memory://prompts/latest/")
+    fs.pipe("/prompts/latest/train.txt", b"a longer prompt\n")
+    assert source_fingerprint("memory://prompts/latest/") != first

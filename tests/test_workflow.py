@@ -76,7 +76,7 @@ def test_eval_compares_base_and_tuned_on_the_same_seeds(run):
 def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, monkeypatch):
     from flytekit.core.local_cache import LocalTaskCache
 
-    from tasks.grpo import fetch_checkpoint, prepare_prompts
+    from tasks.grpo import fetch_checkpoint, fingerprint_prompts, prepare_prompts
 
     import flytekit.core.local_cache as local_cache
 
@@ -105,7 +105,7 @@ def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, mo
     monkeypatch.setattr(fetch_mod, "fetch_model", count_fetch)
     monkeypatch.setattr("tasks.grpo.load_prompts", count_load)
     for _ in range(2):
-        prepare_prompts(data=cfg.data, reward=cfg.reward)
+        prepare_prompts(data=cfg.data, reward=cfg.reward, fingerprint=fingerprint_prompts(data=cfg.data))
         fetch_checkpoint(reference=cfg.model.name, revision=cfg.model.revision)
     assert calls["n"] == 2  # the second round came from the cache
     LocalTaskCache.clear()

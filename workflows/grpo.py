@@ -17,6 +17,7 @@ unreachable store fails the first task. The LoRA is registered as ``tracking.reg
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +35,8 @@ from tasks.grpo import (  # noqa: E402
     RegisteredVersion,
     evaluate,
     fetch_checkpoint,
+    fingerprint_prompts,
+    nightly_run_dir,
     on_grpo_failure,
     prepare_prompts,
     register,
@@ -61,7 +64,7 @@ class GRPOOutputs(NamedTuple):
 def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "") -> GRPOOutputs:  # noqa: B006
     cfg = resolve_config(config=config, overrides=overrides)
     run = start_run(config=cfg)  # MLflow preflight: fails before any data or weights are fetched
-    prompts = prepare_prompts(data=cfg.data, reward=cfg.reward)
+    prompts = prepare_prompts(data=cfg.data, reward=cfg.reward, fingerprint=fingerprint_prompts(data=cfg.data))
     model = fetch_checkpoint(reference=cfg.model.name, revision=cfg.model.revision)
     run >> prompts.digest  # (one output stands for its node)
     run >> model.digest
@@ -80,23 +83,30 @@ def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_
     return GRPOOutputs(page, trained.lora, trained.trajectories, trained.metrics, ev.table, ev.summary, reg)
 
 
-# The default launch plan, and a nightly re-training on the latest prompts (not auto-activated:
-# `pyflyte launchplan --activate grpo_nightly` once the cluster is set up). Its prompt source is a
-# folder that an upstream job refreshes; `run_date` is the schedule's kickoff time.
+# The default launch plan, and a nightly re-training (not auto-activated: `pyflyte launchplan
+# --activate grpo_nightly` once the cluster is set up) of the GPU recipe `DIFFUSIONRL_NIGHTLY_PRESET`
+# (default sd35m-ocr) on the prompt prefix `DIFFUSIONRL_NIGHTLY_PROMPTS`, which an upstream job
+# refreshes: the prompt cache keys on that prefix's content (fingerprint_prompts), so each night
+# prepares what is there, and register promotes the new LoRA only if it beats the champion.
+# `run_date` is the schedule's kickoff time; it names the night's run folder.
 grpo_default = LaunchPlan.get_or_create(workflow=grpo, name="grpo_default")
+
+NIGHTLY_CONFIG = get_preset(os.environ.get("DIFFUSIONRL_NIGHTLY_PRESET", "sd35m-ocr"))
+NIGHTLY_OVERRIDES = [f"data.source={os.environ.get('DIFFUSIONRL_NIGHTLY_PROMPTS', 's3://diffusionrl-data/prompts/latest/')}"]
 
 
 @workflow
-def grpo_scheduled(run_date: datetime, config: Config = DEFAULT_CONFIG, overrides: list[str] = []) -> GRPOOutputs:  # noqa: B006
-    return grpo(config=config, overrides=overrides, checkpoint_dir="")
+def grpo_scheduled(run_date: datetime, config: Config = NIGHTLY_CONFIG, overrides: list[str] = [],  # noqa: B006
+                   runs_root: str = "") -> GRPOOutputs:
+    """``grpo`` for a schedule: the run folder is ``runs_root/<run_date>`` when ``runs_root`` is set
+    (each night resumable on its own), else under the execution's raw output prefix."""
+    return grpo(config=config, overrides=overrides, checkpoint_dir=nightly_run_dir(runs_root=runs_root, run_date=run_date))
 
-
-NIGHTLY_OVERRIDES = ["data.source=s3://diffusionrl-data/prompts/latest/"]
 
 grpo_nightly = LaunchPlan.get_or_create(
     workflow=grpo_scheduled,
     name="grpo_nightly",
-    default_inputs={"config": DEFAULT_CONFIG, "overrides": NIGHTLY_OVERRIDES},
+    default_inputs={"config": NIGHTLY_CONFIG, "overrides": NIGHTLY_OVERRIDES, "runs_root": ""},
     schedule=CronSchedule(schedule="0 3 * * *", kickoff_time_input_arg="run_date"),
     auto_activate=False,
 )

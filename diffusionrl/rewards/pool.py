@@ -43,8 +43,27 @@ def ensure_ray(num_cpus: int) -> bool:
 
     if ray.is_initialized():
         return False
+    if os.environ.get("RAY_ADDRESS"):  # a running cluster (KubeRay, `ray start`): join it, do not size it
+        ray.init()
+        return False
     ray.init(num_cpus=num_cpus, include_dashboard=False)
     return True
+
+
+# A node that offers this custom resource is meant for reward actors (the train task's `reward-cpu`
+# worker group; `ray start --resources '{"reward-cpu": 1}'`): when the cluster has one, every actor
+# asks for a sliver of it, so actors go to those nodes and leave the GPU nodes' CPUs to the trainer.
+REWARD_NODE_RESOURCE = "reward-cpu"
+
+
+def reward_actor_options(cpus_per_actor: float) -> dict:
+    """Ray options of a reward actor on the cluster at hand."""
+    import ray
+
+    options: dict = {"num_cpus": cpus_per_actor}
+    if ray.cluster_resources().get(REWARD_NODE_RESOURCE, 0) > 0:
+        options["resources"] = {REWARD_NODE_RESOURCE: 0.001}
+    return options
 
 
 def merge_parts(shard_parts: list[dict[str, RewardResult]], sizes: list[int]) -> dict[str, RewardResult]:
@@ -140,7 +159,7 @@ class RewardActorPool:
         self.threads = int(threads_per_actor or max(1, int(cpus_per_actor)))
         self.max_retries = max_retries
         self.started_ray = ensure_ray(num_cpus=max(1, int(np.ceil(self.num_actors * cpus_per_actor))))
-        self._remote = ray.remote(num_cpus=cpus_per_actor)(_RewardActor)
+        self._remote = ray.remote(**reward_actor_options(cpus_per_actor))(_RewardActor)
         self.actors = [self._new_actor() for _ in range(self.num_actors)]
         self._wait_ready(range(self.num_actors))  # an unknown reward name fails here, in the actors
         # Each reward's own prompt check (None: it has none), run on each whole batch before it is cut.
