@@ -206,11 +206,11 @@ def test_make_package_writes_both_workflows_and_all_tasks(tmp_path):
             shipped = set(code_tar.getnames())
 
     assert {"workflows.grpo.grpo", "workflows.bdlm.bdlm"} <= workflows
-    for module in ("tasks.pipeline", "tasks.bdlm"):
+    for module in ("tasks.grpo", "tasks.bdlm"):
         assert any(name.startswith(module + ".") for name in tasks), module
-    assert tasks["tasks.pipeline.train"].type == "ray"
-    assert tasks["tasks.pipeline.train"].container.image == gpu.image_name()
-    assert tasks["tasks.pipeline.prepare_prompts"].container.image == cpu.image_name()
+    assert tasks["tasks.grpo.train"].type == "ray"
+    assert tasks["tasks.grpo.train"].container.image == gpu.image_name()
+    assert tasks["tasks.grpo.prepare_prompts"].container.image == cpu.image_name()
     assert {t.container.image for t in tasks.values()} == {cpu.image_name(), gpu.image_name()}
     assert all(t.container.args[0] == "pyflyte-fast-execute" for t in tasks.values())
     # The code tarball carries what the images no longer do.
@@ -219,7 +219,7 @@ def test_make_package_writes_both_workflows_and_all_tasks(tmp_path):
         "configs/tiny-cpu.yaml",
         "diffusionrl/__init__.py",
         "images/__init__.py",
-        "tasks/pipeline.py",
+        "tasks/grpo.py",
         "workflows/grpo.py",
     ):
         assert path in shipped, path
