@@ -43,7 +43,8 @@ def main() -> None:
         import sys
 
         for m in result.metrics:
-            print(f"step {m['step']:.0f} reward {m['rollout/reward/raw_mean']:.3f} exact {m['rollout/reward/exact_mean']:.3f} "
+            print(f"step {m['step']:.0f} reward {m['rollout/reward/raw_mean']:.3f} "
+                  f"exact {m['rollout/reward/exact_mean']:.3f} "
                   f"kl {m.get('train/kl_loss', 0):.4f} zero_std {m['rollout/zero_std/count']:.0f} "
                   f"t {m['perf/step_time']:.2f}s", file=sys.stderr)
     _common.emit({

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import tempfile
 
-import _common  # noqa: F401  (sets sys.path and offline env)
+import _common  # sets sys.path and offline env
 import numpy as np
 import torch
 

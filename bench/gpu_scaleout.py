@@ -28,7 +28,7 @@ import time
 
 from _common import emit
 
-SD35M = dict(  # noqa: C408 - keyword form mirrors the model config
+SD35M = dict(  # keyword form mirrors the model config
     sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
     joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
     pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
@@ -45,10 +45,11 @@ def build(torch, rank: int):
     with torch.device("cuda"):
         model = SD3Transformer2DModel(**SD35M).to(torch.float16)
     model.requires_grad_(False)
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in TARGETS)]
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in TARGETS)]
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=names)
     peft = get_peft_model(model, cfg)
-    for n, p in peft.named_parameters():
+    for _name, p in peft.named_parameters():
         if p.requires_grad:
             p.data = p.data.float()  # fp32 master LoRA
     return peft
@@ -209,7 +210,8 @@ def main() -> int:
         import sglang  # noqa: F401
 
         out["rollout_images_per_s_sglang"] = None
-        out["sglang_note"] = "importable; serving a random-weight SD3.5-M needs a saved pipeline folder: see bench/sglang_vs_local.py"
+        out["sglang_note"] = ("importable; serving a random-weight SD3.5-M needs a saved pipeline folder: "
+                              "see bench/sglang_vs_local.py")
     except ImportError:
         out["rollout_images_per_s_sglang"] = None
         out["sglang_note"] = "sglang not importable in this interpreter (it lives in .venv-sglang)"

@@ -14,7 +14,7 @@ import argparse
 import tempfile
 import time
 
-import _common  # noqa: F401  (sets sys.path and offline env)
+import _common  # sets sys.path and offline env
 import numpy as np
 
 from diffusionrl.config import load_config

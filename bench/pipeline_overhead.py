@@ -16,14 +16,14 @@ import os
 import tempfile
 import time
 
-import _common  # noqa: F401  (sets sys.path and offline env)
+import _common  # sets sys.path and offline env
 
 os.environ.setdefault("FLYTE_LOCAL_CACHE_ENABLED", "false")
 
-from diffusionrl.config import load_config  # noqa: E402
-from diffusionrl.data import load_prompts  # noqa: E402
-from diffusionrl.evaluation import evaluate_lora  # noqa: E402
-from diffusionrl.train import train  # noqa: E402
+from diffusionrl.config import load_config
+from diffusionrl.data import load_prompts
+from diffusionrl.evaluation import evaluate_lora
+from diffusionrl.train import train
 
 
 def main() -> None:

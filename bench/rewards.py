@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from diffusionrl.config import RewardConfig  # noqa: E402
-from diffusionrl.data_ocr import generate_ocr_prompts  # noqa: E402
-from diffusionrl.rewards.ocr import render_text_image  # noqa: E402
-from diffusionrl.rewards.pool import RewardActorPool, ensure_ray  # noqa: E402
+from diffusionrl.config import RewardConfig
+from diffusionrl.data_ocr import generate_ocr_prompts
+from diffusionrl.rewards.ocr import render_text_image
+from diffusionrl.rewards.pool import RewardActorPool, ensure_ray
 
 
 def make_batch(n: int, size: int, seed: int = 0):

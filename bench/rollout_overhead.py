@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-import _common  # noqa: F401  (sets sys.path and offline env)
+import _common  # sets sys.path and offline env
 import torch
 
 from diffusionrl.models import SD3Adapter, build_tiny_sd3_pipeline

@@ -17,7 +17,7 @@ import argparse
 import statistics
 import time
 
-import _common  # noqa: F401  (sets sys.path and offline env)
+import _common  # sets sys.path and offline env
 import numpy as np
 import torch
 
@@ -27,16 +27,17 @@ from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.rollout.sglang import SGLangRolloutEngine
 from diffusionrl.sampling import sde_step_mask
-from diffusionrl.training.policy import LoraPolicy
 from diffusionrl.training.flow_grpo import FlowGRPOObjective
+from diffusionrl.training.policy import LoraPolicy
 
 
 def recompute_diff(cfg, policy, traj) -> float:
     zeros = torch.zeros(traj.batch_size)
     traj = traj.with_rewards(zeros, {}, zeros)
     probe = {"open": True}
-    units = FlowGRPOObjective(cfg, policy).units(traj, traj.micro_batches(), torch.ones(traj.batch_size, dtype=torch.bool),
-                                                 np.random.default_rng(0), probe)
+    units = FlowGRPOObjective(cfg, policy).units(
+        traj, traj.micro_batches(), torch.ones(traj.batch_size, dtype=torch.bool), np.random.default_rng(0), probe
+    )
     with torch.no_grad():
         for unit in units:
             unit.compute()

@@ -150,13 +150,17 @@ _READERS = {".txt": read_txt, ".jsonl": read_jsonl, ".parquet": read_parquet}
 def read_file(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
-        raise PromptDataError(f"{name or path}: unsupported prompt file type {path.suffix!r}; use .txt, .jsonl or .parquet")
+        raise PromptDataError(
+            f"{name or path}: unsupported prompt file type {path.suffix!r}; use .txt, .jsonl or .parquet"
+        )
     if not path.is_file():
         raise PromptDataError(f"{name or path}: file not found")
     return reader(path, name)
 
 
-def clean_rows(rows: list[tuple[str, dict[str, Any]]], stats: dict[str, int], seen: set[str] | None = None) -> list[dict]:
+def clean_rows(
+    rows: list[tuple[str, dict[str, Any]]], stats: dict[str, int], seen: set[str] | None = None
+) -> list[dict]:
     """Strip prompts, drop (and count) blank and duplicate ones."""
     seen = set() if seen is None else seen
     out = []
@@ -282,7 +286,8 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
     if validate is not None:
         validate(train, f"{source} (train)")
         validate(test, f"{source} (test)")
-    stats.update({"train": len(train), "test": len(test), "blank": stats.get("blank", 0), "duplicate": stats.get("duplicate", 0)})
+    stats.update({"train": len(train), "test": len(test),
+                  "blank": stats.get("blank", 0), "duplicate": stats.get("duplicate", 0)})
     if stats["blank"] or stats["duplicate"]:
         log.warning("%s: dropped %d blank and %d duplicate prompts", source, stats["blank"], stats["duplicate"])
     return PromptSet(train=train, test=test, source=source, stats=stats)

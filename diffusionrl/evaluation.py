@@ -32,7 +32,9 @@ def eval_spec(cfg: Config) -> SamplingSpec:
     )
 
 
-def evaluate_lora(cfg: Config, test_rows: list[dict], lora_dir: str | Path, model_path: str | None = None) -> EvalResult:
+def evaluate_lora(
+    cfg: Config, test_rows: list[dict], lora_dir: str | Path, model_path: str | None = None
+) -> EvalResult:
     """Score the base model and the LoRA on the same prompts and seeds.
 
     ``model_path`` overrides where the base weights are loaded from (a fetched checkpoint
@@ -54,8 +56,12 @@ def evaluate_lora(cfg: Config, test_rows: list[dict], lora_dir: str | Path, mode
     metadata = [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
     seeds = [cfg.eval.seed + i for i in range(len(rows))]
     groups = list(range(len(rows)))
-    base = LocalRolloutEngine(adapter, adapter.transformer, micro).generate(prompts, groups, seeds, spec, None, metadata)
-    tuned = LocalRolloutEngine(adapter, tuned_transformer, micro).generate(prompts, groups, seeds, spec, None, metadata)
+    base = LocalRolloutEngine(adapter, adapter.transformer, micro).generate(
+        prompts, groups, seeds, spec, None, metadata
+    )
+    tuned = LocalRolloutEngine(adapter, tuned_transformer, micro).generate(
+        prompts, groups, seeds, spec, None, metadata
+    )
     scorer = MixtureReward(cfg.reward.weights, cfg.reward)
     try:
         base_total, base_parts = scorer(base.images, prompts, metadata)
@@ -80,5 +86,7 @@ def evaluate_lora(cfg: Config, test_rows: list[dict], lora_dir: str | Path, mode
             "eval/num_prompts": float(len(rows)),
         }
     )
-    grid = np.concatenate([np.concatenate(list(base.images), axis=1), np.concatenate(list(tuned.images), axis=1)], axis=0)
+    grid = np.concatenate(
+        [np.concatenate(list(base.images), axis=1), np.concatenate(list(tuned.images), axis=1)], axis=0
+    )
     return EvalResult(table, summary, grid, base.images, tuned.images)

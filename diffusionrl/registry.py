@@ -147,7 +147,7 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
 def current_champion(c, name: str):
     try:
         return c.get_model_version_by_alias(name, CHAMPION)
-    except Exception:  # noqa: BLE001 - no such model or alias yet
+    except Exception:  # no such model or alias yet
         return None
 
 

@@ -95,19 +95,23 @@ def build_report(
         parts += [f"<tr><th>{html.escape(k)}</th><td>{v:.6g}</td></tr>" for k, v in sorted(eval_summary.items())]
         parts.append("</table>")
     if grid is not None:
-        parts += ["<h2>Held-out prompts: base (top) vs tuned (bottom), same seeds</h2>", _img(grid, "eval grid", width=min(1400, grid.shape[1] * 2))]
+        parts += ["<h2>Held-out prompts: base (top) vs tuned (bottom), same seeds</h2>",
+                  _img(grid, "eval grid", width=min(1400, grid.shape[1] * 2))]
     if eval_table is not None and not eval_table.empty:
         parts += ["<h2>Per-prompt evaluation</h2>", eval_table.to_html(index=False, float_format=lambda x: f"{x:.6g}")]
     for name, image in (sample_grids or {}).items():
-        parts += [f"<h2>Training samples: {html.escape(name)}</h2>", _img(image, name, width=min(1400, image.shape[1] * 2))]
+        parts += [f"<h2>Training samples: {html.escape(name)}</h2>",
+                  _img(image, name, width=min(1400, image.shape[1] * 2))]
     if artifacts:
         parts.append("<h2>Where everything lives</h2><table>")
-        parts += [f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>" for k, v in artifacts.items()]
+        parts += [f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>"
+                  for k, v in artifacts.items()]
         parts.append("</table>")
     if metrics is not None and not metrics.empty:
         last = metrics.iloc[-1].to_dict()
         parts += ["<h2>Last step metrics</h2><table>"]
-        parts += [f"<tr><th>{html.escape(str(k))}</th><td>{v:.6g}</td></tr>" for k, v in sorted(last.items()) if isinstance(v, (int, float))]
+        parts += [f"<tr><th>{html.escape(str(k))}</th><td>{v:.6g}</td></tr>"
+                  for k, v in sorted(last.items()) if isinstance(v, (int, float))]
         parts.append("</table>")
     parts += ["<h2>Configuration</h2>", f"<pre>{html.escape(json.dumps(config, indent=1, sort_keys=True))}</pre>"]
     parts.append("</body></html>")

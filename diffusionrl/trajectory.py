@@ -28,7 +28,7 @@ class Conditioning:
     def __len__(self) -> int:
         return self.prompt_embeds.shape[0]
 
-    def select(self, idx: slice | torch.Tensor) -> "Conditioning":
+    def select(self, idx: slice | torch.Tensor) -> Conditioning:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[idx]
 
@@ -39,7 +39,7 @@ class Conditioning:
             pick(self.negative_pooled_embeds),
         )
 
-    def to(self, device: torch.device | str) -> "Conditioning":
+    def to(self, device: torch.device | str) -> Conditioning:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
@@ -51,7 +51,7 @@ class Conditioning:
         )
 
     @staticmethod
-    def cat(parts: list["Conditioning"]) -> "Conditioning":
+    def cat(parts: list[Conditioning]) -> Conditioning:
         def join(name: str) -> torch.Tensor | None:
             values = [getattr(p, name) for p in parts]
             return None if values[0] is None else torch.cat(values)
@@ -173,7 +173,7 @@ class Trajectory:
 
     def with_rewards(
         self, rewards: torch.Tensor, components: dict[str, torch.Tensor], advantages: torch.Tensor | None = None
-    ) -> "Trajectory":
+    ) -> Trajectory:
         return replace(self, rewards=rewards, reward_components=dict(components), advantages=advantages)
 
     def micro_batches(self) -> list[slice]:

@@ -63,7 +63,9 @@ def _flat(t: torch.Tensor) -> list[np.ndarray]:
     return [row.reshape(-1).numpy().astype(np.float32) for row in t.detach().cpu().float()]
 
 
-def trajectory_table(traj: Trajectory, *, run_id: str, step: int, images: bool = True, latents: bool = False) -> pa.Table:
+def trajectory_table(
+    traj: Trajectory, *, run_id: str, step: int, images: bool = True, latents: bool = False
+) -> pa.Table:
     """One Arrow table of a scored trajectory (rewards and advantages must be set)."""
     if traj.rewards is None or traj.advantages is None:
         raise ValueError("trajectory_table needs a scored trajectory (rewards and advantages)")
@@ -126,7 +128,9 @@ def list_step_files(directory: str | Path) -> list[Path]:
 
 
 def _tensor(rows, shapes) -> torch.Tensor:
-    return torch.stack([torch.as_tensor(np.asarray(r, dtype=np.float32)).reshape(list(s)) for r, s in zip(rows, shapes)])
+    return torch.stack(
+        [torch.as_tensor(np.asarray(r, dtype=np.float32)).reshape(list(s)) for r, s in zip(rows, shapes)]
+    )
 
 
 def read_trajectory(path: str | Path) -> Trajectory:

@@ -38,7 +38,9 @@ def small_cfg(*extra: str):
     return load_bdlm_config("tiny-bdlm", SMALL + list(extra))
 
 
-def make_trace(cfg, adapter, rows: int = 8, temperature: float = 0.7, threshold: float = 0.5, mb: int = 8) -> TraceBatch:
+def make_trace(
+    cfg, adapter, rows: int = 8, temperature: float = 0.7, threshold: float = 0.5, mb: int = 8
+) -> TraceBatch:
     """Sample ``rows`` rows (2 prompts x rows/2) and wrap them in a scored trace."""
     from diffusionrl.bdlm import make_splits
 
@@ -128,9 +130,9 @@ def test_replay_equals_sampler_log_probs(cfg, model, tmp_path):
 
 def test_trace_contract_rejects_bad_batches(cfg, model):
     t = make_trace(cfg, model)
-    base = {"targets": t.targets, "action_steps": t.action_steps, "loss_weights": t.loss_weights, "log_probs": t.log_probs,
-                "prompt_length": t.prompt_length, "temperature": t.temperature, "group_ids": t.group_ids, "seeds": t.seeds,
-                "micro_batch_size": t.micro_batch_size}
+    base = {"targets": t.targets, "action_steps": t.action_steps, "loss_weights": t.loss_weights,
+            "log_probs": t.log_probs, "prompt_length": t.prompt_length, "temperature": t.temperature,
+            "group_ids": t.group_ids, "seeds": t.seeds, "micro_batch_size": t.micro_batch_size}
 
     def bad(match: str, **change):
         with pytest.raises(TraceError, match=match):

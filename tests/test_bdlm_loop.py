@@ -18,8 +18,8 @@ from diffusionrl.bdlm import (
     train_grpo,
     warm_start,
 )
-from diffusionrl.config import ConfigError
 from diffusionrl.checkpoint import CheckpointMismatch
+from diffusionrl.config import ConfigError
 
 # Two groups of four, two GRPO steps, a 2-layer 32-wide model: a whole run takes about a second.
 TINY = [
@@ -59,7 +59,8 @@ def test_warm_start_then_grpo_end_to_end(init_dir, tmp_path):
     assert result.steps_done == 2 and len(result.metrics) == 2
     m = result.metrics[0]
     for key in ("rollout/reward/raw_mean", "rollout/zero_std/count", "train/loss", "train/policy_loss", "train/kl_loss",
-                "train/approx_kl", "train/clipfrac", "train/log_prob_mean_abs_diff", "train/grad_norm", "perf/step_time"):
+                "train/approx_kl", "train/clipfrac", "train/log_prob_mean_abs_diff", "train/grad_norm",
+                "perf/step_time"):
         assert key in m and math.isfinite(m[key]), key
     # the rollout policy is the start-of-step policy: replayed old log-probs equal the sampler's
     assert m["train/log_prob_mean_abs_diff"] < 1e-6
@@ -92,7 +93,8 @@ def test_resumed_run_matches_uninterrupted(init_dir, tmp_path):
         assert torch.equal(a[name], b[name]), name
     drop = ("perf/",)
     for ma, mb in zip(full.metrics, resumed.metrics):
-        assert {k: v for k, v in ma.items() if not k.startswith(drop)} == {k: v for k, v in mb.items() if not k.startswith(drop)}
+        assert ({k: v for k, v in ma.items() if not k.startswith(drop)}
+                == {k: v for k, v in mb.items() if not k.startswith(drop)})
 
 
 def test_resume_with_another_task_or_objective_fails(init_dir, tmp_path):

@@ -40,7 +40,8 @@ def test_inconsistent_batch_settings_say_what_to_change():
     with pytest.raises(ConfigError, match="use micro_batch_size=6"):
         load_config(overrides=["train.prompts_per_step=3", "train.group_size=4", "train.micro_batch_size=8"])
     with pytest.raises(ConfigError, match="window_range"):
-        load_config(overrides=["sampling.step_strategy=sde_window", "sampling.num_sde_steps=4", "sampling.window_range=[0, 2]"])
+        load_config(overrides=["sampling.step_strategy=sde_window", "sampling.num_sde_steps=4",
+                               "sampling.window_range=[0, 2]"])
     with pytest.raises(ConfigError, match="needs stochastic rollouts"):
         load_config(overrides=["sampling.sde_type=ode"])
 

@@ -71,8 +71,8 @@ def test_two_gloo_fsdp_ranks_give_one_process_gradient(ray_cluster):
     from diffusionrl.models import load_adapter
     from diffusionrl.rollout.base import SamplingSpec
     from diffusionrl.rollout.local import LocalRolloutEngine
-    from diffusionrl.training.policy import LoraPolicy
     from diffusionrl.training.flow_grpo import FlowGRPOObjective
+    from diffusionrl.training.policy import LoraPolicy
     from diffusionrl.training.trainer import Trainer, UpdateStats
 
     cfg = tiny_config(*DIST)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from diffusionrl.algorithms.nft import nft_optimality, nft_terms, noisy_latents, old_policy_eta
-from diffusionrl.config import ConfigError, load_config
 from diffusionrl.checkpoint import CheckpointMismatch
+from diffusionrl.config import ConfigError, load_config
 from diffusionrl.train import build_loop
 from diffusionrl.training.nft import TimestepPlan
 from diffusionrl.training.trainer import UpdateStats
@@ -192,7 +192,8 @@ def test_a_step_trains_every_tensor_moves_the_old_policy_by_eta_and_pushes_it(lo
     engine = dict(loop.backend.worker.engine.transformer.named_parameters())
     assert all(torch.equal(engine[n], obj.old.shadow[n]) for n in live)  # the old policy, not the live one
     assert all(not torch.equal(engine[n], live[n]) for n in live)
-    for key in ("nft_loss", "nft_pos", "nft_neg", "nft_r_mean", "kl_loss", "loss", "grad_norm", "lr", "skipped_updates"):
+    for key in ("nft_loss", "nft_pos", "nft_neg", "nft_r_mean", "kl_loss", "loss", "grad_norm", "lr",
+                "skipped_updates"):
         assert np.isfinite(metrics[f"train/{key}"]), key
     assert metrics["train/optimizer_steps"] == 1 and metrics["train/skipped_updates"] == 0
     assert 0 <= metrics["train/nft_r_mean"] <= 1 and metrics["train/kl_loss"] > 0
@@ -216,7 +217,8 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     old_a, old_b = full.backend.worker.objective.old.shadow, resumed.backend.worker.objective.old.shadow
     assert all(torch.equal(old_a[k], old_b[k]) for k in old_a)
-    assert [m["rollout/reward/raw_mean"] for m in full.history] == [m["rollout/reward/raw_mean"] for m in resumed.history]
+    assert ([m["rollout/reward/raw_mean"] for m in full.history]
+            == [m["rollout/reward/raw_mean"] for m in resumed.history])
 
 
 def test_resume_across_algorithms_fails_closed(tmp_path):
@@ -242,7 +244,8 @@ def test_nft_presets_and_validation():
     tiny = load_config(NFT)
     assert (tiny.algorithm.name, tiny.sampling.guidance_scale, tiny.algorithm.nft_beta) == ("nft", 1.0, 1.0)
     ref = load_config("sd35m-pickscore-nft")
-    assert (ref.train.prompts_per_step, ref.train.group_size, ref.train.minibatches, ref.train.inner_epochs) == (8, 8, 1, 1)
+    assert (ref.train.prompts_per_step, ref.train.group_size, ref.train.minibatches,
+            ref.train.inner_epochs) == (8, 8, 1, 1)
     assert (ref.model.lora_rank, ref.model.lora_alpha, ref.sampling.resolution, ref.eval.num_steps) == (32, 64, 512, 40)
     assert ref.reward.weights == {"pickscore": 1.0} and ref.train.mixed_precision == "fp16"
     assert ref.sampling.guidance_scale == 1.0 and ref.algorithm.kl_beta == 1e-4

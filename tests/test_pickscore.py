@@ -34,7 +34,8 @@ def tiny_clip():
             num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
         ),
         vision_config=dict(
-            image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+            image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2,
         ),
         projection_dim=16,
     )
@@ -101,7 +102,8 @@ def test_corrupt_image_scores_zero_and_counts(reward, batch):
 
 
 def test_registered_loader_fails_clearly_offline(tmp_path):
-    cfg = RewardConfig(weights={"pickscore": 1.0}, pickscore_processor=str(tmp_path / "nope"), pickscore_model=str(tmp_path / "nope"))
+    cfg = RewardConfig(weights={"pickscore": 1.0}, pickscore_processor=str(tmp_path / "nope"),
+                       pickscore_model=str(tmp_path / "nope"))
     with pytest.raises(OSError, match="pickscore_model"):
         build_reward("pickscore", cfg)
 
@@ -110,6 +112,8 @@ def test_loads_from_saved_folders(tmp_path, batch):
     model, processor = tiny_clip()
     model.save_pretrained(tmp_path / "model")
     processor.save_pretrained(tmp_path / "processor")
-    cfg = RewardConfig(weights={"pickscore": 1.0}, pickscore_processor=str(tmp_path / "processor"), pickscore_model=str(tmp_path / "model"))
+    cfg = RewardConfig(weights={"pickscore": 1.0}, pickscore_processor=str(tmp_path / "processor"),
+                       pickscore_model=str(tmp_path / "model"))
     loaded = build_reward("pickscore", cfg)
-    np.testing.assert_allclose(loaded(*batch).scores, PickScoreReward(model, processor, device="cpu")(*batch).scores, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loaded(*batch).scores, PickScoreReward(model, processor, device="cpu")(*batch).scores,
+                               rtol=1e-5, atol=1e-6)

@@ -14,9 +14,9 @@ ray = pytest.importorskip("ray")
 
 from diffusionrl.config import RewardConfig  # noqa: E402
 from diffusionrl.rewards import MixtureReward, make_scorer, reward_metrics  # noqa: E402
+from diffusionrl.rewards.base import RewardResult  # noqa: E402
 from diffusionrl.rewards.ocr import render_text_image  # noqa: E402
 from diffusionrl.rewards.pool import RewardActorPool, merge_parts  # noqa: E402
-from diffusionrl.rewards.base import RewardResult  # noqa: E402
 
 TEXTS = ["OPEN", "Hello World", "TAXI 42", "Fresh Bread", "COFFEF"]
 CFG = RewardConfig(weights={"ocr": 1.0, "jpeg_compressibility": 0.5}, num_actors=2)

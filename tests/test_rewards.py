@@ -42,7 +42,9 @@ def test_jpeg_compressibility_is_minus_size_in_kb_over_500():
 def test_mixture_is_the_weighted_sum_and_reports_components():
     cfg = RewardConfig(weights={"jpeg_compressibility": 2.0, "jpeg_incompressibility": 0.5})
     total, parts = MixtureReward(cfg.weights, cfg)(_images(), ["a", "b"], [{}, {}])
-    np.testing.assert_allclose(total, 2.0 * parts["jpeg_compressibility"].scores + 0.5 * parts["jpeg_incompressibility"].scores, rtol=1e-6)
+    np.testing.assert_allclose(
+        total, 2.0 * parts["jpeg_compressibility"].scores + 0.5 * parts["jpeg_incompressibility"].scores, rtol=1e-6
+    )
     metrics = reward_metrics(total, parts)
     assert {"rollout/reward/raw_mean", "rollout/reward/raw_std", "rollout/reward/raw_median",
             "rollout/reward/num_samples", "rollout/reward/jpeg_compressibility_mean"} <= set(metrics)

@@ -9,9 +9,9 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from diffusionrl.config import RewardConfig  # noqa: E402
-from diffusionrl.rewards import build_reward, reward_metrics  # noqa: E402
-from diffusionrl.rewards.ocr import (  # noqa: E402
+from diffusionrl.config import RewardConfig
+from diffusionrl.rewards import build_reward, reward_metrics
+from diffusionrl.rewards.ocr import (
     OcrReward,
     PaddleOcrBackend,
     RapidOcrBackend,
@@ -29,7 +29,8 @@ def reward() -> OcrReward:
 
 
 def score(reward, images, prompts, metadata=None):
-    return reward(np.stack(images) if not isinstance(images, list) else images, prompts, metadata or [{}] * len(prompts))
+    return reward(np.stack(images) if not isinstance(images, list) else images, prompts,
+                  metadata or [{}] * len(prompts))
 
 
 # ----------------------------------------------------------------------------- the formula, no OCR

@@ -154,7 +154,8 @@ def test_trajectory_shapes(stack):
     c = traj.conditioning
     assert c.prompt_embeds.shape[0] == b and c.prompt_embeds.shape[2] == 64 and c.pooled_embeds.shape == (b, 64)
     assert c.negative_prompt_embeds.shape == c.prompt_embeds.shape
-    assert torch.equal(c.prompt_embeds[0], c.prompt_embeds[1]) and not torch.equal(c.prompt_embeds[0], c.prompt_embeds[2])
+    assert (torch.equal(c.prompt_embeds[0], c.prompt_embeds[1])
+            and not torch.equal(c.prompt_embeds[0], c.prompt_embeds[2]))
     assert traj.images.shape == (b, 32, 32, 3) and traj.images.dtype == np.uint8
     assert traj.policy_version == engine.version and traj.metadata[3] == {"i": 3}
     assert traj.latents[:, 0].std() > 0.5  # x_0 is noise
@@ -306,7 +307,8 @@ def test_server_killed_mid_run_is_survived(stack, trained, tmp_path):
                                    verify_weights=True, server=shared.server)
 
     killer = KillServerMidRollout()
-    result = train(cfg, tmp_path / "killed", resume=None, progress=False, callbacks=[killer], engine_factory=make_engine)
+    result = train(cfg, tmp_path / "killed", resume=None, progress=False, callbacks=[killer],
+                   engine_factory=make_engine)
     assert killer.killed_pid is not None and killer.engine.restarts == 1
     assert result.steps_done == 2 and [m["step"] for m in result.metrics] == [1.0, 2.0]
     for a, b in zip(full.metrics, result.metrics):

@@ -307,7 +307,8 @@ def test_metric_logger_buffers_through_an_outage(server):
     logger.uri = uri  # the store is back
     logger.on_end(SimpleNamespace(out_dir="."))
     assert logger.buffer == []
-    assert [(m.step, m.value) for m in _client(server).get_metric_history(run_id, "train/loss")] == [(1, 0.5), (2, 0.25)]
+    assert ([(m.step, m.value) for m in _client(server).get_metric_history(run_id, "train/loss")]
+            == [(1, 0.5), (2, 0.25)])
 
 
 def test_preflight_names_the_uri():

@@ -74,11 +74,10 @@ def test_eval_compares_base_and_tuned_on_the_same_seeds(run):
 
 
 def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, monkeypatch):
+    import flytekit.core.local_cache as local_cache
     from flytekit.core.local_cache import LocalTaskCache
 
     from tasks.grpo import fetch_checkpoint, fingerprint_prompts, prepare_prompts
-
-    import flytekit.core.local_cache as local_cache
 
     # A private cache folder: the user's ~/.flyte/local-cache (e.g. from `make demo`) must not count.
     monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "true")
@@ -89,8 +88,8 @@ def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, mo
 
     cfg = get_preset("tiny-cpu")
     calls = {"n": 0}
-    import diffusionrl.models.fetch as fetch_mod
     import diffusionrl.data as data_mod
+    import diffusionrl.models.fetch as fetch_mod
 
     real_fetch, real_load = fetch_mod.fetch_model, data_mod.load_prompts
 

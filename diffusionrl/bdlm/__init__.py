@@ -11,10 +11,10 @@ Components: ``decode`` (sampler with trace), ``TraceBatch`` + Parquet (``trace``
 ``replay_log_probs`` (exact replay), ``TraceGRPO`` (objective), model adapters (``load_bdlm``).
 """
 
-from .config import BDLMConfig, load_bdlm_config
-from .grpo import OBJECTIVE, OldPolicy, TraceGRPO, categorical_kl, grpo_token_terms
 from .backend import BDLMBackend, train_grpo
+from .config import BDLMConfig, load_bdlm_config
 from .evaluation import compare, decode_examples, eval_key, evaluate, evaluate_adapter
+from .grpo import OBJECTIVE, OldPolicy, TraceGRPO, categorical_kl, grpo_token_terms
 from .model import (
     VOCAB,
     HFMaskedLMAdapter,

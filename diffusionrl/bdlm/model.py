@@ -94,7 +94,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # [B, H, L, Dh] each
+        # q, k, v: [B, H, L, Dh] each
+        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.heads), dim=-1)  # [B, H, L, L]
         x = x + self.proj((att @ v).transpose(1, 2).reshape(b, n, d))  # [B, L, D]
         return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
@@ -141,7 +142,8 @@ class TinyBDLMAdapter:
 
 def build_tiny_bdlm(model_cfg) -> TinyBDLMAdapter:
     """Fresh random ``builtin:tiny-bdlm`` from a ``BDLMModelConfig`` (seeded by ``init_seed``)."""
-    spec = TinySpec(VOCAB.size, model_cfg.dim, model_cfg.layers, model_cfg.heads, model_cfg.ff_dim, model_cfg.max_length)
+    spec = TinySpec(VOCAB.size, model_cfg.dim, model_cfg.layers, model_cfg.heads, model_cfg.ff_dim,
+                    model_cfg.max_length)
     torch.manual_seed(model_cfg.init_seed)
     return TinyBDLMAdapter(TinyBDLM(spec))
 
@@ -161,7 +163,9 @@ class HFMaskedLMAdapter:
 
     def __init__(self, model, token_ids: list[int], vocab: Vocab = VOCAB):
         if len(token_ids) != vocab.size:
-            raise ValueError(f"token map has {len(token_ids)} ids; it needs one per token of our vocabulary ({vocab.size})")
+            raise ValueError(
+                f"token map has {len(token_ids)} ids; it needs one per token of our vocabulary ({vocab.size})"
+            )
         self.module = model.eval()
         self.vocab = vocab
         self.token_ids = torch.tensor(token_ids, dtype=torch.int64)

@@ -1,9 +1,10 @@
 """A trained block-diffusion LM as an MLflow pyfunc model: digit prompts in, decoded answers out.
 
 ``mlflow.pyfunc.load_model("models:/tiny-bdlm-sort@champion").predict({"prompt": ["3142", "907"]})``
-returns ``["1234", "079"]`` for a model that learnt the task (greedy decoding with the run's block size, generation length and evaluation
-threshold). The model folder (``bdlm_model.json`` + weights) is an artifact of the MLflow model,
-and the decoding settings are its ``decoding.json``, so nothing outside the artifact is needed.
+returns ``["1234", "079"]`` for a model that learnt the task (greedy decoding with the run's block size,
+generation length and evaluation threshold). The model folder (``bdlm_model.json`` + weights) is an
+artifact of the MLflow model, and the decoding settings are its ``decoding.json``, so nothing outside
+the artifact is needed.
 """
 
 from __future__ import annotations

@@ -66,7 +66,9 @@ class TraceBatch:
         size = size or self.micro_batch_size
         return [slice(i, min(i + size, self.batch_size)) for i in range(0, self.batch_size, size)]
 
-    def with_rewards(self, rewards: torch.Tensor, components: dict[str, torch.Tensor], advantages: torch.Tensor) -> TraceBatch:
+    def with_rewards(
+        self, rewards: torch.Tensor, components: dict[str, torch.Tensor], advantages: torch.Tensor
+    ) -> TraceBatch:
         return replace(self, rewards=rewards.float(), reward_components=components, advantages=advantages.float())
 
 
@@ -89,7 +91,8 @@ def validate(t: TraceBatch) -> None:
     if not 0 < t.prompt_length < shape[1]:
         _fail(f"prompt_length {t.prompt_length} must lie in (0, L={shape[1]})")
     if int(t.targets.min()) < 0 or int(t.targets.max()) >= t.vocab.size or bool((t.targets == t.vocab.mask).any()):
-        _fail(f"targets must be token ids in [0, {t.vocab.size}) and never MASK ({t.vocab.mask}): the canvas is complete")
+        _fail(f"targets must be token ids in [0, {t.vocab.size}) and never MASK ({t.vocab.mask}): "
+              "the canvas is complete")
     if bool((t.action_steps[:, : t.prompt_length] != -1).any()):
         _fail("prompt positions [0, prompt_length) must have action step -1")
     if bool((t.action_steps[:, t.prompt_length :] < 0).any()):

@@ -64,7 +64,9 @@ def train_warm_start(adapter: BDLMAdapter, examples: list[Example], ws_cfg, *, p
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
         optimizer.step()
-        history.append({"step": float(step + 1), "warmstart/loss": float(loss.detach()), "warmstart/grad_norm": grad_norm})
+        history.append(
+            {"step": float(step + 1), "warmstart/loss": float(loss.detach()), "warmstart/grad_norm": grad_norm}
+        )
     return history
 
 

@@ -28,7 +28,9 @@ def mesh_for(device: torch.device, world_size: int):
     return init_device_mesh(device.type, (world_size,))
 
 
-def shard_policy(policy, mixed_precision: str, device: torch.device, world_size: int, reshard_after_forward: bool = True):
+def shard_policy(
+    policy, mixed_precision: str, device: torch.device, world_size: int, reshard_after_forward: bool = True
+):
     """Shard ``policy.model`` in place; refreshes ``policy.params`` (now DTensors).
 
     Returns the FSDP root and the loss multiplier of ``set_sum_reduction``."""

@@ -16,7 +16,7 @@ def node_address_and_port() -> tuple[str, int]:
         import ray
 
         addr = ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray
+    except Exception:  # outside Ray
         addr = "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))

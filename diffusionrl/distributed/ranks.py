@@ -144,7 +144,7 @@ class RankGroup:
 
         try:
             ray.get([rank.close.remote() for rank in self.ranks], timeout=60)
-        except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+        except Exception as exc:  # best effort at shutdown
             log.warning("closing trainer ranks: %s", exc)
         for rank in self.ranks:
             ray.kill(rank)

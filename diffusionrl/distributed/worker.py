@@ -118,8 +118,8 @@ class TrainerRank:
         from diffusionrl.models import load_adapter
         from diffusionrl.models.sd3 import resolve_device
         from diffusionrl.rollout.factory import make_engine
-        from diffusionrl.training.policy import LoraPolicy
         from diffusionrl.training.flow_grpo import FlowGRPOObjective
+        from diffusionrl.training.policy import LoraPolicy
 
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)

@@ -89,7 +89,7 @@ class SD3Adapter:
         self._digest: str | None = None
 
     @classmethod
-    def from_config(cls, model_cfg, mixed_precision: str = "no") -> "SD3Adapter":
+    def from_config(cls, model_cfg, mixed_precision: str = "no") -> SD3Adapter:
         device = resolve_device(model_cfg.device)
         pipe = load_sd3_pipeline(model_cfg.name, model_cfg.revision, model_cfg.dtype)
         autocast = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
@@ -145,7 +145,9 @@ class SD3Adapter:
         sigmas = scheduler.sigmas.detach().to(torch.float32).clone()
         timesteps = scheduler.timesteps.detach().to(torch.float32).clone()
         if sigmas.shape[0] != num_steps + 1 or float(sigmas[-1]) != 0.0:
-            raise ValueError(f"scheduler gave {sigmas.shape[0]} sigmas ending in {float(sigmas[-1])}; expected T+1 ending in 0")
+            raise ValueError(
+                f"scheduler gave {sigmas.shape[0]} sigmas ending in {float(sigmas[-1])}; expected T+1 ending in 0"
+            )
         return sigmas, timesteps
 
     # -- text -----------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -117,7 +117,7 @@ def safe_score(fn: Callable[[np.ndarray, str, dict], float], images, prompts, me
             if not np.isfinite(value):
                 raise ValueError(f"non-finite score {value}")
             scores[i] = value
-        except Exception as exc:  # noqa: BLE001 - a reward failure must not stop training
+        except Exception as exc:  # a reward failure must not stop training
             failures += 1
             log.warning("reward %s failed on sample %d (%s): %s", name, i, prompt[:60], exc)
     return RewardResult(scores, failures)

@@ -5,7 +5,7 @@ Neither names a reward: both go through the registry, so a new reward needs no c
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .mixture import MixtureReward
 from .registry import available_rewards, prompt_check

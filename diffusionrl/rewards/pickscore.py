@@ -98,7 +98,7 @@ class PickScoreReward(Reward):
                 if not np.all(np.isfinite(values)):
                     raise ValueError("non-finite scores")
                 scores[chunk] = values
-            except Exception as exc:  # noqa: BLE001 - retry sample by sample to isolate the bad one
+            except Exception as exc:  # retry sample by sample to isolate the bad one
                 log.warning("pickscore batch %d failed (%s); scoring its samples one by one", start, exc)
                 part = safe_score(
                     lambda im, p, _m: self._score_batch([im], [p])[0], batch_images, batch_prompts,

@@ -186,7 +186,7 @@ class RewardActorPool:
             return
         try:
             ray.kill(dead)
-        except Exception:  # noqa: BLE001 - already gone
+        except Exception:  # already gone
             pass
         self.actors[k] = self._new_actor()
         self._wait_ready([k])
@@ -210,7 +210,7 @@ class RewardActorPool:
         for actor in self.actors:
             try:
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         self.actors = []
         if self.started_ray and ray.is_initialized():

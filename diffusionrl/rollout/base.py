@@ -26,7 +26,7 @@ class SamplingSpec:
     keep_images: bool = True
 
     @classmethod
-    def from_config(cls, cfg, **override) -> "SamplingSpec":
+    def from_config(cls, cfg, **override) -> SamplingSpec:
         spec = cls(
             resolution=cfg.sampling.resolution,
             num_steps=cfg.sampling.num_steps,

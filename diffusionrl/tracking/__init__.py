@@ -42,7 +42,8 @@ __all__ = [
     "ENV_URI", "LINEAGE_KEYS", "LOCAL_STORE", "PARENT_TAG", "STAGE_TAG", "MetricLogger", "TrackingRun",
     "TrackingUnavailable", "artifact_location", "client", "config_params", "configure_http", "ensure_experiment",
     "fail_open_runs", "finish", "finish_quietly", "folder_size_mb", "frame_digest", "git_sha", "image_row",
-    "lineage", "lineage_tags", "local_store_uri", "log_evaluation", "log_final_metrics", "log_folder_or_link", "log_metrics_file", "log_prompt_datasets",
+    "lineage", "lineage_tags", "local_store_uri", "log_evaluation", "log_final_metrics", "log_folder_or_link",
+    "log_metrics_file", "log_prompt_datasets",
     "open_stage", "preflight", "resolve_uri", "run_url", "set_tags", "stage_run", "start_workflow_run",
     "with_retries",
 ]

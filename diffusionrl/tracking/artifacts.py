@@ -44,20 +44,22 @@ def _artifact_source(uri: str):
             return False
 
         @classmethod
-        def _resolve(cls, raw_source: Any) -> "RunArtifactSource":
+        def _resolve(cls, raw_source: Any) -> RunArtifactSource:
             return cls(str(raw_source))
 
         def to_dict(self) -> dict[str, Any]:
             return {"uri": self.uri}
 
         @classmethod
-        def from_dict(cls, source_dict: dict[Any, Any]) -> "RunArtifactSource":
+        def from_dict(cls, source_dict: dict[Any, Any]) -> RunArtifactSource:
             return cls(source_dict["uri"])
 
     return RunArtifactSource(uri)
 
 
-def log_prompt_datasets(run: TrackingRun, stage_id: str, splits: dict[str, pd.DataFrame], source: str) -> dict[str, str]:
+def log_prompt_datasets(
+    run: TrackingRun, stage_id: str, splits: dict[str, pd.DataFrame], source: str
+) -> dict[str, str]:
     """Each split as Parquet artifacts of the stage run and as an MLflow dataset (with its digest)
     on the stage run; returns split -> digest. Contexts: train -> training, test -> evaluation."""
     import mlflow.data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -39,7 +40,7 @@ class MetricLogger(Callback):
         try:
             history = client(self.uri).get_metric_history(self.run_id, "perf/step_time")
             return max((m.step for m in history), default=0)
-        except Exception:  # noqa: BLE001 - unknown is "nothing logged yet"
+        except Exception:  # unknown is "nothing logged yet"
             return 0
 
     def on_step(self, loop, step: int, traj, metrics: dict[str, float]) -> None:
@@ -57,7 +58,7 @@ class MetricLogger(Callback):
             try:
                 with_retries(lambda: client(self.uri).log_image(self.run_id, row, key="rollout/samples", step=step),
                              self.attempts, f"log_image step {step}", self.base_delay_s)
-            except Exception as exc:  # noqa: BLE001 - an image is not worth a training run
+            except Exception as exc:  # an image is not worth a training run
                 log.warning("sample images of step %d not logged: %s (they are in the run folder)", step, exc)
 
     def flush(self) -> bool:
@@ -65,9 +66,9 @@ class MetricLogger(Callback):
         while self.buffer:
             chunk = self.buffer[:1000]
             try:
-                with_retries(lambda: c.log_batch(self.run_id, metrics=chunk), self.attempts, "MLflow log_batch",
-                             self.base_delay_s)
-            except Exception as exc:  # noqa: BLE001 - keep the metrics, try again next step
+                with_retries(functools.partial(c.log_batch, self.run_id, metrics=chunk), self.attempts,
+                             "MLflow log_batch", self.base_delay_s)
+            except Exception as exc:  # keep the metrics, try again next step
                 self.failed_flushes += 1
                 log.warning("MLflow unreachable (%s); %d metrics kept for the next flush", exc, len(self.buffer))
                 return False

@@ -140,7 +140,7 @@ def fail_open_runs(uri: str, experiment: str, execution_id: str, message: str) -
             c.set_tag(r.info.run_id, "failure", message[:5000])
             c.set_terminated(r.info.run_id, status="FAILED")
         return len(runs)
-    except Exception as exc:  # noqa: BLE001 - never mask the workflow's own error
+    except Exception as exc:  # never mask the workflow's own error
         log.warning("could not mark the MLflow runs of %s as failed: %s", execution_id, exc)
         return 0
 
@@ -173,7 +173,7 @@ def open_stage(run: TrackingRun, stage: str, attempts: int, tags: dict[str, str]
 
     try:
         return with_retries(open_run, attempts, f"opening the MLflow {stage} run")
-    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot track yet"
+    except Exception as exc:  # any failure here means "cannot track yet"
         raise TrackingUnavailable(f"MLflow store {run.uri} unreachable before the {stage} stage: {exc}") from exc
 
 
@@ -181,7 +181,7 @@ def finish_quietly(run: TrackingRun, stage_id: str) -> None:
     """Close a stage run; a tracking outage at this point must not fail a finished stage."""
     try:
         with_retries(lambda: finish(run, stage_id), 3, "closing the MLflow stage run")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log.warning("could not close MLflow run %s: %s", stage_id, exc)
 
 
@@ -205,7 +205,9 @@ def lineage(run: TrackingRun, **known: str) -> dict[str, str]:
     return {**{k: tags.get(k, "") for k in LINEAGE_KEYS}, **known}
 
 
-def log_final_metrics(run: TrackingRun, metrics, keys=("rollout/reward/raw_mean", "train/loss", "perf/step_time")) -> None:
+def log_final_metrics(
+    run: TrackingRun, metrics, keys=("rollout/reward/raw_mean", "train/loss", "perf/step_time")
+) -> None:
     """The last training step's headline metrics as ``final/<key>`` on the workflow run."""
     import pandas as pd
 

@@ -70,7 +70,7 @@ def preflight(uri: str, timeout_s: float = 10.0) -> None:
             client(uri).search_experiments(max_results=1)
         else:
             client(uri).search_experiments(max_results=1)
-    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot track"
+    except Exception as exc:  # any failure here means "cannot track"
         raise TrackingUnavailable(
             f"MLflow tracking store {uri} is unreachable ({type(exc).__name__}: {exc}). Start the server, fix "
             f"tracking.uri / ${ENV_URI}, or unset both to use the local store {local_store_uri()}"
@@ -90,7 +90,7 @@ def ensure_experiment(uri: str, name: str) -> str:
         return exp.experiment_id
     try:
         return c.create_experiment(name, artifact_location=artifact_location(uri, name))
-    except Exception:  # noqa: BLE001 - created concurrently by another execution
+    except Exception:  # created concurrently by another execution
         exp = c.get_experiment_by_name(name)
         if exp is None:
             raise
@@ -102,7 +102,7 @@ def with_retries(fn: Callable[[], T], attempts: int, what: str, base_delay_s: fl
     for i in range(attempts):
         try:
             return fn()
-        except Exception as exc:  # noqa: BLE001 - transient store errors have many types
+        except Exception as exc:  # transient store errors have many types
             if i == attempts - 1:
                 raise
             delay = base_delay_s * 2**i

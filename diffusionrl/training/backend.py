@@ -156,7 +156,8 @@ class ImageBackend:
         metrics.update(push_metrics)
         every = self.cfg.train.log_images_every
         if every and (step + 1) % every == 0 and traj.images is not None:
-            save_grid(traj.images, self.out_dir / "samples" / f"step-{step + 1:06d}.png", cols=self.cfg.train.group_size)
+            save_grid(traj.images, self.out_dir / "samples" / f"step-{step + 1:06d}.png",
+                      cols=self.cfg.train.group_size)
         return traj, metrics
 
     # -- run lifecycle ---------------------------------------------------------------------------

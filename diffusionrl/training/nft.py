@@ -54,7 +54,7 @@ class TimestepPlan:
     shape: tuple[int, ...]  # latent shape (C, H, W)
 
     @classmethod
-    def draw(cls, seed: int, step: int, epoch: int, batch: int, num_steps: int, shape: tuple[int, ...]) -> "TimestepPlan":
+    def draw(cls, seed: int, step: int, epoch: int, batch: int, num_steps: int, shape: tuple[int, ...]) -> TimestepPlan:
         slots = num_steps - 1
         rows = [
             np.random.default_rng([_TIMESTEP_STREAM, seed, step, epoch, i]).permutation(num_steps)[:slots]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
