@@ -61,6 +61,7 @@ demo: setup
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 test: setup $(SGLANG_ENV)
+	$(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

@@ -237,7 +237,8 @@ def source_fingerprint(source: str) -> str:
         files = sorted(fs.find(path)) if fs.isdir(path) else [path]
         for f in files:
             info = fs.info(f)
-            stamp = {k: str(info.get(k)) for k in ("name", "size", "ETag", "etag", "mtime", "LastModified") if k in info}
+            keys = ("name", "size", "ETag", "etag", "mtime", "LastModified")
+            stamp = {k: str(info.get(k)) for k in keys if k in info}
             digest.update(json.dumps(stamp, sort_keys=True).encode())
         return digest.hexdigest()[:16]
     path = Path(source).expanduser()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pandas as pd
 from flytekit import Cache, Resources, current_context, task
@@ -51,7 +51,7 @@ def resolve_bdlm_config(config: BDLMConfig, overrides: list[str]) -> BDLMConfig:
 
 @task(**CPU_TASK, secret_requests=MLFLOW)
 def on_bdlm_failure(config: BDLMConfig, overrides: list[str], checkpoint_dir: str,
-                    err: Optional[FlyteError] = None) -> None:
+                    err: FlyteError | None = None) -> None:
     """Failure handler of ``bdlm``: the MLflow runs it left open are marked FAILED."""
     load_secrets(MLFLOW)
     close_failed_runs(resolved_or_given(config, overrides).tracking, err)
@@ -105,7 +105,6 @@ def warm_start_stage(config: BDLMConfig, run: TrackingRun, checkpoint_dir: str) 
     load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.bdlm import warm_start
-
     from diffusionrl.storage import RunFolder
 
     staging = Path(current_context().working_directory) / "warm"

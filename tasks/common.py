@@ -44,7 +44,7 @@ def flyte_execution_id() -> str:
     try:
         eid = current_context().execution_id
         return f"{eid.project}-{eid.domain}-{eid.name}"
-    except Exception:  # noqa: BLE001 - outside an execution
+    except Exception:  # outside an execution
         return "local"
 
 
@@ -60,7 +60,7 @@ def execution_tags() -> dict[str, str]:
     try:
         eid = current_context().execution_id
         out.update({"flyte_project": eid.project, "flyte_domain": eid.domain})
-    except Exception:  # noqa: BLE001 - outside an execution
+    except Exception:  # outside an execution
         pass
     workflow = os.environ.get("FLYTE_INTERNAL_EXECUTION_WORKFLOW")
     if workflow:
@@ -98,7 +98,7 @@ def resolved_or_given(config, overrides: list[str]):
 
     try:
         return type(config).from_dict(apply_overrides(config.to_dict(), overrides))
-    except Exception:  # noqa: BLE001 - the overrides themselves may be what failed
+    except Exception:  # the overrides themselves may be what failed
         return config
 
 

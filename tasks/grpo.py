@@ -11,7 +11,7 @@ import json
 import logging
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pandas as pd
 from flytekit import Cache, Resources, current_context, task
@@ -26,19 +26,6 @@ from diffusionrl.data import PromptSet, load_prompts
 from diffusionrl.tracking import TrackingRun
 from images import CPU_IMAGE, GPU_IMAGE
 
-from .resources import (
-    ACCELERATOR,
-    CPU_TASK,
-    ENVIRONMENT,
-    GPU_TASK,
-    HF_MLFLOW,
-    MLFLOW,
-    RAY_CONFIG,
-    TIMEOUTS,
-    load_secrets,
-    secrets,
-)
-
 from .common import (
     DatasetDigests,
     RegisteredVersion,
@@ -51,6 +38,18 @@ from .common import (
     resolved_or_given,
     run_callbacks,
     stage_dir,
+)
+from .resources import (
+    ACCELERATOR,
+    CPU_TASK,
+    ENVIRONMENT,
+    GPU_TASK,
+    HF_MLFLOW,
+    MLFLOW,
+    RAY_CONFIG,
+    TIMEOUTS,
+    load_secrets,
+    secrets,
 )
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ def start_run(config: Config) -> TrackingRun:
 
 
 @task(**CPU_TASK, secret_requests=MLFLOW)
-def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, err: Optional[FlyteError] = None) -> None:
+def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, err: FlyteError | None = None) -> None:
     """Failure handler of ``grpo``: the MLflow runs it left open are marked FAILED."""
     load_secrets(MLFLOW)
     close_failed_runs(resolved_or_given(config, overrides).tracking, err)
@@ -95,7 +94,8 @@ def track_inputs(run: TrackingRun, config: Config, train_prompts: pd.DataFrame, 
     from diffusionrl import tracking
 
     stage = tracking.stage_run(run, "prepare")
-    digests = tracking.log_prompt_datasets(run, stage, {"train": train_prompts, "test": test_prompts}, config.data.source)
+    splits = {"train": train_prompts, "test": test_prompts}
+    digests = tracking.log_prompt_datasets(run, stage, splits, config.data.source)
     tracking.set_tags(run, {"dataset_digest": prompts_digest, "base_model_digest": model_digest,
                             "dataset_source": config.data.source}, also=[stage])
     client = tracking.client(run.uri)

@@ -23,8 +23,8 @@ from flytekit.types.file import FlyteFile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks`, `images` next to `workflows`
 
-from diffusionrl.bdlm import BDLMConfig, load_bdlm_config  # noqa: E402
-from tasks.bdlm import (  # noqa: E402
+from diffusionrl.bdlm import BDLMConfig, load_bdlm_config
+from tasks.bdlm import (
     evaluate_bdlm,
     on_bdlm_failure,
     prepare_digits,
@@ -36,7 +36,7 @@ from tasks.bdlm import (  # noqa: E402
     train_bdlm,
     warm_start_stage,
 )
-from tasks.common import RegisteredVersion  # noqa: E402
+from tasks.common import RegisteredVersion
 
 DEFAULT_BDLM_CONFIG = load_bdlm_config("tiny-bdlm")
 

@@ -30,8 +30,8 @@ from flytekit.types.file import FlyteFile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks`, `images` next to `workflows`
 
-from diffusionrl.config import Config, get_preset  # noqa: E402
-from tasks.grpo import (  # noqa: E402
+from diffusionrl.config import Config, get_preset
+from tasks.grpo import (
     RegisteredVersion,
     evaluate,
     fetch_checkpoint,
@@ -100,7 +100,8 @@ def grpo_scheduled(run_date: datetime, config: Config = NIGHTLY_CONFIG, override
                    runs_root: str = "") -> GRPOOutputs:
     """``grpo`` for a schedule: the run folder is ``runs_root/<run_date>`` when ``runs_root`` is set
     (each night resumable on its own), else under the execution's raw output prefix."""
-    return grpo(config=config, overrides=overrides, checkpoint_dir=nightly_run_dir(runs_root=runs_root, run_date=run_date))
+    run_dir = nightly_run_dir(runs_root=runs_root, run_date=run_date)
+    return grpo(config=config, overrides=overrides, checkpoint_dir=run_dir)
 
 
 grpo_nightly = LaunchPlan.get_or_create(
