@@ -32,6 +32,7 @@ from .common import (
     open_run_folder,
     open_train_stage,
     publish_report,
+    report_artifacts,
     require_shared_store,
     resolved_or_given,
     run_callbacks,
@@ -188,19 +189,11 @@ def report_bdlm(config: BDLMConfig, run: TrackingRun, metrics: pd.DataFrame, eva
                 registered: RegisteredVersion) -> FlyteFile:
     """HTML report (Deck, a copy in the run folder, an artifact of the MLflow run, which it closes)."""
     load_secrets(MLFLOW)
-    from diffusionrl import tracking
     from diffusionrl.report import build_report
 
-    traces_path = traces.remote_source or traces.path
-    where = tracking.log_folder_or_link(run, run.run_id, traces_path, traces.download, "traces",
-                                        config.tracking.max_artifact_mb)
-    artifacts = {
-        **registered.links(),
-        "policy (bdlm_model.json + weights)": model.remote_source or model.path,
-        "traces (Parquet, one file per step)": traces_path,
-        "traces in MLflow": where,
-        "run folder (checkpoints, metrics.jsonl)": run_dir,
-    }
+    artifacts = report_artifacts(run, registered, run_dir, config.tracking.max_artifact_mb,
+                                 model, "policy (bdlm_model.json + weights)", traces, "traces",
+                                 "traces (Parquet, one file per step)")
     page = build_report(config=config.to_dict(), metrics=metrics, eval_table=eval_table, eval_summary=eval_summary,
                         grid=None, artifacts=artifacts, title="diffusionrl block-diffusion LM report")
     return publish_report(run, page, run_dir)

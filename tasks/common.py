@@ -230,6 +230,21 @@ class RegisteredVersion:
                 "MLflow run": self.run_url}
 
 
+def report_artifacts(run: TrackingRun, registered: RegisteredVersion, run_dir: str, max_mb: float,
+                     model, model_label: str, batches, batches_name: str, batches_label: str) -> dict[str, str]:
+    """The report's artifact lines: the registry and run links, the trained model, the per-step
+    Parquet folder (copied into the MLflow run when at most ``max_mb``, else linked) and the run folder."""
+    path = batches.remote_source or batches.path
+    where = tracking.log_folder_or_link(run, run.run_id, path, batches.download, batches_name, max_mb)
+    return {
+        **registered.links(),
+        model_label: model.remote_source or model.path,
+        batches_label: path,
+        f"{batches_name} in MLflow": where,
+        "run folder (checkpoints, metrics.jsonl)": run_dir,
+    }
+
+
 def publish_report(run: TrackingRun, page: str, run_dir: str) -> FlyteFile:
     """The report as the task's Deck, a file output, a copy in the run folder (local runs) and an
     artifact of the MLflow run, which is then closed."""

@@ -34,6 +34,7 @@ from .common import (
     open_run_folder,
     open_train_stage,
     publish_report,
+    report_artifacts,
     require_shared_store,
     resolved_or_given,
     run_callbacks,
@@ -295,18 +296,11 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
     from diffusionrl import tracking
     from diffusionrl.report import build_report
 
-    traj_path = trajectories.remote_source or trajectories.path
-    traj_where = tracking.log_folder_or_link(run, run.run_id, traj_path, trajectories.download, "trajectories",
-                                             config.tracking.max_artifact_mb)
-    artifacts = {
-        **registered.links(),
-        "LoRA (peft adapter)": lora.remote_source or lora.path,
-        "trajectories (Parquet, one file per step)": traj_path,
-        "trajectories in MLflow": traj_where,
-        "run folder (checkpoints, metrics.jsonl)": run_dir,
-        "prompt data digest": prompts_digest,
-        "base model": f"{config.model.name} (digest {model_digest[:16]})",
-    }
+    artifacts = report_artifacts(run, registered, run_dir, config.tracking.max_artifact_mb,
+                                 lora, "LoRA (peft adapter)", trajectories, "trajectories",
+                                 "trajectories (Parquet, one file per step)")
+    artifacts["prompt data digest"] = prompts_digest
+    artifacts["base model"] = f"{config.model.name} (digest {model_digest[:16]})"
     page = build_report(config=config.to_dict(), metrics=metrics, eval_table=eval_table, eval_summary=eval_summary,
                         grid=np.asarray(Image.open(grid.download()).convert("RGB")), artifacts=artifacts)
     tracking.log_final_metrics(run, metrics)
