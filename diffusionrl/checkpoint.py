@@ -2,19 +2,27 @@
 
 Layout of a checkpoint folder ``step-000012/``::
 
-    state.json             step, policy version, metadata, optimizer hyper-parameters, RNG states
+    state.json             step, policy version, metadata, the run's config, optimizer hyper-parameters,
+                           RNG states
     lora.safetensors       trainable LoRA tensors (policy ``named_parameters`` names)
     optimizer.safetensors  per-parameter optimizer state ("<index>.<key>")
     extra.safetensors      EMA / old-policy tensors ("ema.<name>", "old.<name>") and torch RNG states
+    manifest.json          size and SHA-256 of every other file, written last (``diffusionrl.manifest``)
 
 A folder is written under a temporary name and renamed when complete, so a crash mid-save never
-leaves a half checkpoint that looks valid.
+leaves a half checkpoint that looks valid; the manifest catches what the rename cannot (bytes
+damaged later, a partial copy). ``load_checkpoint`` verifies it and names the damaged file;
+``latest_checkpoint`` / ``load_latest`` skip a damaged checkpoint with one warning line and take
+the previous intact one.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import logging
 import random
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +30,27 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-FORMAT_VERSION = 1
+from diffusionrl.manifest import CheckpointDamaged, verify_checkpoint, write_manifest
+
+__all__ = ["CheckpointDamaged", "CheckpointMismatch", "CheckpointState", "ConfigChanged", "config_changes",
+           "load_checkpoint", "load_latest", "latest_checkpoint", "list_checkpoints", "save_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2  # 2: format 1 + manifest.json + the run's config in state.json
+READABLE_FORMATS = (1, 2)
+NAME = re.compile(r"step-\d+")
 
 
 class CheckpointMismatch(ValueError):
     """A checkpoint was made for another model or objective than the current run."""
+
+
+class ConfigChanged(CheckpointMismatch):
+    """Resuming with other objective-relevant settings than the checkpoint was made with."""
 
 
 @dataclass
@@ -41,6 +63,7 @@ class CheckpointState:
     scaler: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # "ema", "old", ...
     extra: dict[str, Any] = field(default_factory=dict)  # JSON-able loop state (data cursor, ...)
+    config: dict[str, Any] = field(default_factory=dict)  # the run's config (``Config.to_dict()``)
 
 
 def _optimizer_split(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -112,6 +135,7 @@ def save_checkpoint(directory: str | Path, state: CheckpointState) -> Path:
         "step": state.step,
         "policy_version": state.policy_version,
         "metadata": state.metadata,
+        "config": state.config,
         "optimizer": opt_meta,
         "scaler": state.scaler,
         "rng": rng_meta,
@@ -119,44 +143,62 @@ def save_checkpoint(directory: str | Path, state: CheckpointState) -> Path:
         "extra": state.extra,
     }
     (tmp / "state.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+    write_manifest(tmp)  # last: a folder with a valid manifest is complete
     if directory.exists():
         shutil.rmtree(directory)
     tmp.rename(directory)
     return directory
 
 
-def load_checkpoint(directory: str | Path, restore_rng: bool = True) -> CheckpointState:
+def _load(directory: Path, name: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(directory / name))
+    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:  # damage a manifest-less folder can hide
+        raise CheckpointDamaged(directory, f"{name} is unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def load_checkpoint(directory: str | Path, restore_rng: bool = True, verify: bool = True) -> CheckpointState:
+    """The checkpoint in ``directory``, its files verified against its manifest first
+    (``CheckpointDamaged`` names the damaged file)."""
     directory = Path(directory)
     record_path = directory / "state.json"
-    if not record_path.is_file():
+    if not record_path.is_file() and not (directory / "manifest.json").is_file():
         raise FileNotFoundError(f"{directory} is not a checkpoint (no state.json)")
-    record = json.loads(record_path.read_text())
-    if record.get("format_version") != FORMAT_VERSION:
+    if verify:
+        verify_checkpoint(directory)
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointDamaged(directory, f"state.json is unreadable ({type(exc).__name__}: {exc})") from exc
+    if record.get("format_version") not in READABLE_FORMATS:
         raise CheckpointMismatch(
-            f"{directory}: checkpoint format {record.get('format_version')} is not {FORMAT_VERSION}"
+            f"{directory}: checkpoint format {record.get('format_version')} is not one of {READABLE_FORMATS}"
         )
-    extra = load_file(str(directory / "extra.safetensors"))
+    extra = _load(directory, "extra.safetensors")
     groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in record.get("tensor_groups", [])}
     rng: dict[str, torch.Tensor] = {}
     for key, value in extra.items():
         group, name = key.split(".", 1)
         (rng if group == "rng" else groups.setdefault(group, {}))[name] = value
+    lora = _load(directory, "lora.safetensors")
+    optimizer = _optimizer_join(_load(directory, "optimizer.safetensors"), record["optimizer"])
     if restore_rng:
         _set_rng_state(rng, record.get("rng", {}))
     return CheckpointState(
         step=int(record["step"]),
         policy_version=int(record["policy_version"]),
         metadata=record["metadata"],
-        lora=load_file(str(directory / "lora.safetensors")),
-        optimizer=_optimizer_join(load_file(str(directory / "optimizer.safetensors")), record["optimizer"]),
+        lora=lora,
+        optimizer=optimizer,
         scaler=record.get("scaler", {}),
         tensors=groups,
         extra=record.get("extra", {}),
+        config=record.get("config", {}),
     )
 
 
 def check_metadata(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
-    """Fail closed when the identity keys (model, objective) differ."""
+    """Fail closed when the identity keys (model, objective) differ: one line naming them."""
     diffs = [
         f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
         for key in sorted(set(saved) | set(current))
@@ -164,22 +206,86 @@ def check_metadata(saved: dict[str, Any], current: dict[str, Any], where: str) -
     ]
     if diffs:
         raise CheckpointMismatch(
-            f"cannot resume from {where}: it was made for another model or objective:\n  "
-            + "\n  ".join(diffs)
-            + "\nstart a fresh run (another output folder) or resume with the checkpoint's settings"
+            f"cannot resume from {where}: it was made for another model or objective ({'; '.join(diffs)}); "
+            "start a fresh run (another output folder, or --fresh) or resume with the checkpoint's settings"
         )
 
 
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``{"train": {"seed": 0}}`` -> ``{"train.seed": 0}``, the names of ``Config.flat()``."""
+    out: dict[str, Any] = {}
+    for section, values in config.items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            out[section] = values
+    return out
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any], free: tuple[str, ...]) -> dict[str, dict]:
+    """``{key: {"old", "new"}}`` for every flat key both configs have, whose value differs, and that
+    matches none of the ``free`` patterns (fnmatch). A key only one side has (the schema gained
+    or lost it) is not compared. Both go through JSON first, as the saved one did (tuple == list)."""
+    a, b = (flat_config(json.loads(json.dumps(c))) for c in (saved, current))
+    return {k: {"old": a[k], "new": b[k]} for k in sorted(set(a) & set(b))
+            if a[k] != b[k] and not any(fnmatch.fnmatchcase(k, p) for p in free)}
+
+
+def with_hyperparameters(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state ``saved`` with the hyper-parameters (lr, betas, weight decay, ...) of the
+    freshly built optimizer's state ``current``: what an allowed config change must take effect on
+    (``load_state_dict`` would bring the checkpoint's back)."""
+    groups = [{**old, **{k: v for k, v in new.items() if k != "params"}}
+              for old, new in zip(saved["param_groups"], current["param_groups"])]
+    return {**saved, "param_groups": groups}
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
+    """The checkpoint folders (``step-NNNNNN``) of ``root``, oldest first, whole or damaged."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file())
+    return sorted(p for p in root.iterdir() if p.is_dir() and NAME.fullmatch(p.name))
+
+
+def _no_intact(root: Path, damaged: list[CheckpointDamaged]) -> CheckpointDamaged:
+    reasons = "; ".join(f"{e.path.name}: {e.reason}" for e in damaged)
+    return CheckpointDamaged(root, reasons, f"no intact checkpoint in {root} ({reasons}); restore one, or start "
+                                            "over with --fresh (resume=None), which moves them aside")
+
+
+def _skip(exc: CheckpointDamaged) -> None:
+    log.warning("skipping damaged checkpoint %s: %s; trying the previous one", exc.path.name, exc.reason)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+    """The newest intact checkpoint of ``root`` (a damaged newer one is reported in one warning line
+    and skipped); None when there is none; ``CheckpointDamaged`` when every one is damaged."""
+    damaged = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointDamaged as exc:
+            _skip(exc)
+            damaged.append(exc)
+    if damaged:
+        raise _no_intact(Path(root), damaged)
+    return None
+
+
+def load_latest(root: str | Path, restore_rng: bool = True) -> tuple[Path, CheckpointState] | None:
+    """``latest_checkpoint`` and its state, also skipping a checkpoint whose files do not parse."""
+    damaged = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            return path, load_checkpoint(path, restore_rng=restore_rng)
+        except CheckpointDamaged as exc:
+            _skip(exc)
+            damaged.append(exc)
+    if damaged:
+        raise _no_intact(Path(root), damaged)
+    return None
 
 
 def prune_checkpoints(root: str | Path, keep: int) -> None:

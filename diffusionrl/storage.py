@@ -5,10 +5,14 @@ is a staging copy and ``RunFolder`` moves what must outlive the process to the s
 
 - ``pull()`` before a run: the published checkpoint (``checkpoints/LATEST``) and ``metrics.jsonl``
   come down, so a re-launched execution, on another machine, resumes where the last one stopped;
+  the checkpoint is verified against its manifest (``diffusionrl.manifest``), and when the
+  pointer's target is damaged the previous published one is used (one warning line);
 - ``publish_checkpoint(path)``: the checkpoint goes up under a new versioned prefix
-  (``checkpoints/step-000012-<random>/``), and only when every file is there does the pointer
-  ``checkpoints/LATEST`` (one small object, written in one request) move to it: a reader never sees
-  a half-written checkpoint; older prefixes beyond ``keep`` are deleted after the pointer moved;
+  (``checkpoints/step-000012-<random>/``, its ``manifest.json`` last), and only when every file is
+  there does the pointer ``checkpoints/LATEST`` (one small object, written in one request, naming
+  the previous published prefixes too) move to it: a reader never sees a half-written checkpoint;
+  prefixes beyond the newest ``keep`` (at least 2, so a damaged newest one has an intact
+  predecessor) are deleted after the pointer moved;
 - ``push(relpath)``: a file or folder (``metrics.jsonl``, a trajectory step file, the LoRA) goes up
   under the same relative path; a re-run step overwrites its own files, so an interrupted and
   resumed run ends with one file per step and one metrics row per step.
@@ -21,16 +25,21 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
 
 from diffusionrl.callbacks import Callback
+from diffusionrl.manifest import MANIFEST, CheckpointDamaged, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
-POINTER = "LATEST"  # checkpoints/LATEST: {"name": "step-000012-ab12cd34", "step": 12}
+POINTER = "LATEST"  # checkpoints/LATEST: {"name": "step-000012-ab12cd34", "step": 12, "previous": [names]}
+PUBLISHED = re.compile(r"step-\d+-[0-9a-f]+")  # a published prefix's name
+MIN_KEEP = 2  # published checkpoints kept at least (when pruning at all): the pointer's and one before
+HISTORY = 8  # previous names a pointer records when nothing is pruned (keep=0)
 
 
 def is_remote(uri: str | Path) -> bool:
@@ -131,48 +140,104 @@ class RunFolder:
 
     def pull(self) -> Path | None:
         """Bring the published checkpoint and ``metrics.jsonl`` into the local folder; returns the
-        local checkpoint path (``checkpoints/step-XXXXXX``), or None when nothing was published."""
+        local checkpoint path (``checkpoints/step-XXXXXX``), or None when nothing was published.
+        A damaged published checkpoint is reported and the previous one taken; ``CheckpointDamaged``
+        when none is intact."""
         if not self.remote:
             return None
         self.pull_file("metrics.jsonl")
-        record = self.latest_published()
+        damaged: list[CheckpointDamaged] = []
+        try:
+            record = self.latest_published()
+        except ValueError as exc:  # a pointer is one request: this is not expected, but not fatal either
+            log.warning("checkpoints/%s of %s is unreadable (%s): trying the published checkpoints newest first",
+                        POINTER, self.uri, exc)
+            record = {"name": None, "step": None}
         if record is None:
             return None
-        dest = self.local / "checkpoints" / f"step-{int(record['step']):06d}"
+        for name in self._candidates(record):
+            dest = self._download(name)
+            try:
+                verify_checkpoint(dest)
+            except CheckpointDamaged as exc:
+                log.warning("published checkpoint %s of %s is damaged (%s): trying the previous one",
+                            name, self.uri, exc.reason)
+                damaged.append(CheckpointDamaged(name, exc.reason))
+                shutil.rmtree(dest)
+                continue
+            self._damaged = {str(e.path) for e in damaged}
+            log.info("pulled checkpoint %s (step %s) from %s", name, _step(name), self.uri)
+            return dest
+        reasons = "; ".join(f"{e.path}: {e.reason}" for e in damaged) or "none found"
+        raise CheckpointDamaged(self.uri, reasons, f"no intact published checkpoint in {self.uri}/checkpoints "
+                                                   f"({reasons}); restore one, or use another run folder")
+
+    def _published(self) -> list[str]:
+        root = self._remote("checkpoints")
+        if not self.fs.exists(root):
+            return []
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)}
+        return sorted(n for n in names if PUBLISHED.fullmatch(n))
+
+    def _candidates(self, record: dict) -> list[str]:
+        """The pointer's target, then the prefixes published before it, newest first."""
+        if "previous" in record:
+            return [record["name"], *record["previous"]]
+        # a pointer written before pointers named their predecessors (or an unreadable one)
+        older = [n for n in self._published() if record["step"] is None or _step(n) <= int(record["step"])]
+        return ([record["name"]] if record["name"] else []) + sorted(
+            (n for n in older if n != record["name"]), key=lambda n: (_step(n), n), reverse=True)
+
+    def _download(self, name: str) -> Path:
+        dest = self.local / "checkpoints" / f"step-{_step(name):06d}"
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
-        prefix = self._remote(f"checkpoints/{record['name']}")
+        prefix = self._remote(f"checkpoints/{name}")
         for remote_file in self.fs.find(prefix):
             rel = remote_file[len(prefix.rstrip("/")) + 1:]
             target = dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(remote_file, str(target))
-        log.info("pulled checkpoint %s (step %s) from %s", record["name"], record["step"], self.uri)
         return dest
 
     def publish_checkpoint(self, path: str | Path, step: int, keep: int = 0) -> str:
-        """Upload the checkpoint folder ``path`` under a new prefix, then move the pointer to it.
-        Returns the published name (remote) or the local path."""
+        """Upload the checkpoint folder ``path`` under a new prefix (its manifest last), then move the
+        pointer to it. Returns the published name (remote) or the local path."""
         path = Path(path)
         if not self.remote:
             return str(path)
         name = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"
         prefix = self._remote(f"checkpoints/{name}")
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        for f in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: (p.name == MANIFEST, str(p))):
             self.fs.put_file(str(f), f"{prefix}/{f.relative_to(path)}")
-        self.fs.pipe_file(self._remote(f"checkpoints/{POINTER}"), json.dumps({"name": name, "step": step}).encode())
-        self._prune(keep, current=name)
+        try:
+            before = self.latest_published()
+        except ValueError:
+            before = None
+        damaged = getattr(self, "_damaged", set())
+        previous = [n for n in ([before["name"], *before.get("previous", [])] if before else [])
+                    if n and n != name and n not in damaged]
+        keep = max(keep, MIN_KEEP) if keep > 0 else 0
+        previous = previous[: (keep - 1) if keep else HISTORY]
+        record = {"name": name, "step": step, "previous": previous}
+        self.fs.pipe_file(self._remote(f"checkpoints/{POINTER}"), json.dumps(record).encode())
+        self._prune(keep, {name, *previous})
         return name
 
-    def _prune(self, keep: int, current: str) -> None:
-        """Delete published prefixes beyond the newest ``keep`` (never the pointer's)."""
+    def _prune(self, keep: int, kept: set[str]) -> None:
+        """Delete the published prefixes the pointer no longer names (none when ``keep`` is 0)."""
         if keep <= 0:
             return
         root = self._remote("checkpoints")
-        names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)} - {POINTER})
-        for old in [n for n in names if n != current][: max(0, len(names) - keep)]:
-            self.fs.rm(f"{root}/{old}", recursive=True)
+        for old in self._published():
+            if old not in kept:
+                self.fs.rm(f"{root}/{old}", recursive=True)
+
+
+def _step(name: str) -> int:
+    """``step-000012-ab12cd34`` -> 12."""
+    return int(name.split("-")[1])
 
 
 class SyncRunFolder(Callback):

@@ -4,7 +4,13 @@
         [--config my.yaml] [--set train.learning_rate=1e-3 --set sampling.num_steps=8]
 
 Prints one JSON line of metrics per step, writes ``metrics.jsonl``, checkpoints and the LoRA
-(``<out>/lora``). Re-running with the same ``--out`` resumes from the latest checkpoint.
+(``<out>/lora``). Re-running with the same ``--out`` resumes from the latest intact checkpoint (a
+damaged one is skipped with a warning) with the same settings: raising ``--steps`` continues the
+run, changing what is optimised (learning rate, data, seed, ...) needs ``--allow-config-change``
+(each change is recorded in ``<out>/config_changes.jsonl``). ``--fresh`` starts over in ``--out``:
+the previous run's checkpoints, metrics.jsonl and config.json are moved to
+``<out>/previous-run-<time>/``, never deleted (its lora/ is replaced when the new run ends; its
+final LoRA stays in its last checkpoint).
 
 ``build_loop`` picks the policy side of the run: ``training.local_worker.LocalPolicyWorker`` in
 this process, or ``distributed.ranks.RankGroup`` when ``train.world_size > 1`` (docs/scaling.md);
@@ -19,8 +25,9 @@ import logging
 import sys
 from pathlib import Path
 
+from diffusionrl.checkpoint import CheckpointDamaged, CheckpointMismatch
 from diffusionrl.config import Config, ConfigError, describe, load_config
-from diffusionrl.runloop import Callback, RunLoop, RunResult, Schedule
+from diffusionrl.runloop import RUN_CONTROL_KEYS, Callback, MetricsFileError, RunLoop, RunResult, Schedule
 
 KEYS = (
     "rollout/reward/raw_mean",
@@ -33,6 +40,16 @@ KEYS = (
     "train/log_prob_mean_abs_diff",
     "train/grad_norm",
     "perf/step_time",
+)
+
+# Config keys a resumed image run may change (``runloop.RUN_CONTROL_KEYS`` and these): how long to
+# run, checkpoint cadence, what is logged, and the layout (ranks, engines, actors, threads, device),
+# which does not change the objective (2 ranks give one process's gradient, docs/scaling.md).
+FREE_KEYS = RUN_CONTROL_KEYS + (
+    "train.steps", "train.checkpoint_every", "train.keep_checkpoints", "train.log_images_every",
+    "train.save_latents", "train.world_size", "train.placement", "train.rollout_engines", "train.cpus_per_bundle",
+    "train.engine_gpu_fraction", "train.memory_handoff", "train.offload_optimizer", "train.deterministic",
+    "sampling.sglang_*", "reward.num_actors", "reward.ocr_threads", "model.device", "model.gradient_checkpointing",
 )
 
 
@@ -65,15 +82,16 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
     backend = ImageBackend(cfg, out_dir, prompts, worker, scorer if scorer is not None else make_scorer(cfg.reward))
     tc = cfg.train
     schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints)
-    return RunLoop(backend, out_dir, schedule, cfg.to_dict(), callbacks=callbacks, progress=progress)
+    return RunLoop(backend, out_dir, schedule, cfg.to_dict(), callbacks=callbacks, progress=progress,
+                   free_keys=FREE_KEYS)
 
 
 def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", stop_after: int | None = None,
-          **kw) -> RunResult:
-    """Build a loop for ``cfg`` (``build_loop``'s keywords) and run it to the end."""
+          allow_config_change: bool = False, **kw) -> RunResult:
+    """Build a loop for ``cfg`` (``build_loop``'s keywords) and run it to the end (``RunLoop.run``)."""
     loop = build_loop(cfg, out_dir, **kw)
     try:
-        return loop.run(resume=resume, stop_after=stop_after)
+        return loop.run(resume=resume, stop_after=stop_after, allow_config_change=allow_config_change)
     finally:
         loop.close()
 
@@ -93,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="dotted override, e.g. train.learning_rate=1e-3 (repeatable)")
     ap.add_argument("--steps", type=int, default=None, help="shorthand for --set train.steps=N")
     ap.add_argument("--out", required=False, default="runs/train", help="output folder (resumes if it has checkpoints)")
-    ap.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in --out")
+    ap.add_argument("--fresh", action="store_true",
+                    help="start a new run in --out even if it holds one: that run's checkpoints/, metrics.jsonl and "
+                         "config.json are moved to <out>/previous-run-<time>/ (never deleted)")
+    ap.add_argument("--allow-config-change", action="store_true",
+                    help="resume although objective-relevant settings (learning rate, data, seed, ...) differ from "
+                         "the checkpoint's; each change is recorded in <out>/config_changes.jsonl")
     ap.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     args = ap.parse_args(argv)
     if args.help_config:
@@ -106,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    result = train(cfg, args.out, resume=None if args.fresh else "auto", callbacks=[PrintMetrics()])
+    try:
+        result = train(cfg, args.out, resume=None if args.fresh else "auto", callbacks=[PrintMetrics()],
+                       allow_config_change=args.allow_config_change)
+    except (CheckpointMismatch, CheckpointDamaged, MetricsFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps({"out": str(result.out_dir), "lora": str(result.model_dir), "steps": result.steps_done}))
     return 0
 

@@ -18,8 +18,10 @@ from diffusionrl.bdlm import (
     train_grpo,
     warm_start,
 )
-from diffusionrl.checkpoint import CheckpointMismatch
+from diffusionrl.bdlm.backend import build_grpo_loop
+from diffusionrl.checkpoint import CheckpointMismatch, ConfigChanged
 from diffusionrl.config import ConfigError
+from diffusionrl.manifest import write_manifest
 
 # Two groups of four, two GRPO steps, a 2-layer 32-wide model: a whole run takes about a second.
 TINY = [
@@ -106,8 +108,25 @@ def test_resume_with_another_task_or_objective_fails(init_dir, tmp_path):
     record = json.loads(state.read_text())
     record["metadata"]["objective"] = "masked_diffusion_sft"
     state.write_text(json.dumps(record))
+    write_manifest(state.parent)  # a whole checkpoint of another objective, not a damaged one
     with pytest.raises(CheckpointMismatch, match="objective"):
         train_grpo(tiny_cfg(), run, init_dir, resume="auto", progress=False)
+
+
+def test_resume_with_another_learning_rate_fails_unless_allowed(init_dir, tmp_path):
+    """The config rule of ``RunLoop`` for GRPO runs too: more steps are fine, a 50x learning rate
+    is refused in one line, and when allowed it is recorded and used."""
+    run = tmp_path / "run"
+    train_grpo(tiny_cfg(), run, init_dir, resume=None, stop_after=1, progress=False)
+    with pytest.raises(ConfigChanged, match=r"grpo.lr 0.001 -> 0.05") as err:
+        train_grpo(tiny_cfg("grpo.lr=5e-2"), run, init_dir, resume="auto", progress=False)
+    assert "\n" not in str(err.value)
+    assert train_grpo(tiny_cfg("grpo.steps=3"), run, init_dir, resume="auto", progress=False).steps_done == 3
+    loop = build_grpo_loop(tiny_cfg("grpo.steps=4", "grpo.lr=5e-2"), run, init_dir, progress=False)
+    assert loop.run(resume="auto", allow_config_change=True).steps_done == 4
+    assert loop.backend.optimizer.param_groups[0]["lr"] == 5e-2
+    row = json.loads((run / "config_changes.jsonl").read_text())
+    assert row["step"] == 3 and row["changes"] == {"grpo.lr": {"old": 1e-3, "new": 5e-2}}
 
 
 @pytest.mark.parametrize(

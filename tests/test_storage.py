@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from diffusionrl.callbacks import Callback
+from diffusionrl.manifest import write_manifest
 from diffusionrl.storage import POINTER, RunFolder, SyncRunFolder, is_remote
 
 from .conftest import saved_lora, tiny_config
@@ -25,6 +26,7 @@ def fake_checkpoint(folder, step: int):
     ckpt.mkdir(parents=True)
     (ckpt / "state.json").write_text(json.dumps({"step": step}))
     (ckpt / "lora.safetensors").write_bytes(bytes([step]) * 64)
+    write_manifest(ckpt)
     return ckpt
 
 
@@ -130,3 +132,63 @@ def test_run_resumed_on_another_machine_equals_uninterrupted(tmp_path):
     files = sorted(p.rsplit("/", 1)[-1] for p in second.fs.ls(f"{second.root}/trajectories", detail=False))
     assert files == ["step-000001.parquet", "step-000002.parquet", "step-000003.parquet"]
     assert second.fs.exists(f"{second.root}/lora/adapter_model.safetensors")
+
+
+# -- damaged published checkpoints ----------------------------------------------------------------
+
+
+def published(folder):
+    return sorted(n for n in (p.rsplit("/", 1)[-1] for p in folder.fs.ls(f"{folder.root}/checkpoints",
+                                                                          detail=False)) if n != POINTER)
+
+
+def damage(folder, name, file="lora.safetensors"):
+    path = f"{folder.root}/checkpoints/{name}/{file}"
+    folder.fs.pipe_file(path, bytes(len(folder.fs.cat_file(path))))  # same size, zeroed
+
+
+def test_a_damaged_published_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    uri = store_uri()
+    a = RunFolder(uri, staging=tmp_path / "a")
+    for step in (1, 2, 3):
+        a.publish_checkpoint(fake_checkpoint(a, step), step=step, keep=1)
+    names = published(a)
+    assert [n.split("-")[1] for n in names] == ["000002", "000003"]  # keep=1 still keeps 2
+    damage(a, names[1])
+    b = RunFolder(uri, staging=tmp_path / "b")
+    caplog.set_level("WARNING")
+    path = b.pull()
+    assert path.name == "step-000002" and (path / "lora.safetensors").read_bytes() == bytes([2]) * 64
+    assert sorted(p.name for p in (b.local / "checkpoints").iterdir()) == ["step-000002"]
+    [line] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert names[1] in line and "lora.safetensors does not match its SHA-256" in line
+    # the next publish from b does not keep the damaged prefix as its predecessor
+    new = b.publish_checkpoint(fake_checkpoint(b, 3), step=3, keep=1)
+    assert published(b) == sorted([names[0], new])
+    assert b.latest_published()["previous"] == [names[0]]
+
+
+def test_no_intact_published_checkpoint_fails_in_one_line(tmp_path):
+    from diffusionrl.manifest import CheckpointDamaged
+
+    uri = store_uri()
+    a = RunFolder(uri, staging=tmp_path / "a")
+    for step in (1, 2):
+        name = a.publish_checkpoint(fake_checkpoint(a, step), step=step, keep=2)
+        damage(a, name, "state.json")
+    with pytest.raises(CheckpointDamaged, match="no intact published checkpoint") as err:
+        RunFolder(uri, staging=tmp_path / "b").pull()
+    assert "\n" not in str(err.value) and "state.json" in str(err.value)
+
+
+def test_a_pointer_from_before_pointer_history_falls_back_by_listing(tmp_path):
+    uri = store_uri()
+    a = RunFolder(uri, staging=tmp_path / "a")
+    one = a.publish_checkpoint(fake_checkpoint(a, 1), step=1)
+    two = a.publish_checkpoint(fake_checkpoint(a, 2), step=2)
+    a.fs.put_file(str(fake_checkpoint(a, 3) / "lora.safetensors"),  # a torn upload, never pointed to
+                  f"{a.root}/checkpoints/step-000003-0000abcd/lora.safetensors")
+    a.fs.pipe_file(f"{a.root}/checkpoints/{POINTER}", json.dumps({"name": two, "step": 2}).encode())
+    damage(a, two)
+    path = RunFolder(uri, staging=tmp_path / "b").pull()
+    assert path.name == "step-000001" and one in published(a)

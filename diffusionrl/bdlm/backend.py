@@ -19,7 +19,7 @@ import torch
 
 from diffusionrl.algorithms.advantages import group_advantages
 from diffusionrl.checkpoint import CheckpointState
-from diffusionrl.runloop import Callback, RunLoop, RunResult, Schedule
+from diffusionrl.runloop import RUN_CONTROL_KEYS, Callback, RunLoop, RunResult, Schedule
 
 from . import trace as trace_store
 from .config import BDLMConfig
@@ -28,6 +28,10 @@ from .grpo import OBJECTIVE, TraceGRPO
 from .model import RUN_INFO, frozen_copy, load_bdlm, weights_digest
 from .task import Example, make_splits, score
 from .trace import TraceBatch
+
+# Config keys a resumed GRPO run may change (``runloop.RUN_CONTROL_KEYS`` and these): how long to
+# run, checkpoint cadence, whether traces are written. Every other key must match the checkpoint's.
+FREE_KEYS = RUN_CONTROL_KEYS + ("grpo.steps", "grpo.checkpoint_every", "grpo.keep_checkpoints", "grpo.save_traces")
 
 
 class BDLMBackend:
@@ -148,16 +152,17 @@ def build_grpo_loop(cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path,
     gc = cfg.grpo
     schedule = Schedule(steps=gc.steps, checkpoint_every=gc.checkpoint_every, keep_checkpoints=gc.keep_checkpoints)
     return RunLoop(BDLMBackend(cfg, out_dir, init_dir), out_dir, schedule, cfg.to_dict(), callbacks=callbacks,
-                   progress=progress)
+                   progress=progress, free_keys=FREE_KEYS)
 
 
 def train_grpo(cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path, resume: str | Path | None = "auto",
                stop_after: int | None = None, callbacks: list[Callback] | None = None,
-               progress: bool | None = None) -> RunResult:
+               progress: bool | None = None, allow_config_change: bool = False) -> RunResult:
     """GRPO with exact trace replay from the model in ``init_dir`` (e.g. ``warm_start``'s output).
-    ``result.model_dir`` is the trained policy (``load_bdlm(result.model_dir)``)."""
+    ``result.model_dir`` is the trained policy (``load_bdlm(result.model_dir)``). Resuming follows
+    ``RunLoop.run`` (``allow_config_change`` included)."""
     loop = build_grpo_loop(cfg, out_dir, init_dir, callbacks=callbacks, progress=progress)
     try:
-        return loop.run(resume=resume, stop_after=stop_after)
+        return loop.run(resume=resume, stop_after=stop_after, allow_config_change=allow_config_change)
     finally:
         loop.close()
