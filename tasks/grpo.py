@@ -80,7 +80,8 @@ def start_run(config: Config) -> TrackingRun:
 
 
 @task(**CPU_TASK, secret_requests=MLFLOW)
-def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, err: FlyteError | None = None) -> None:
+def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, allow_config_change: bool,
+                    err: FlyteError | None = None) -> None:
     """Failure handler of ``grpo``: the MLflow runs it left open are marked FAILED."""
     load_secrets(MLFLOW)
     close_failed_runs(resolved_or_given(config, overrides).tracking, err)
@@ -202,11 +203,12 @@ class ParquetTrajectories(Callback):
 @task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, environment=ENVIRONMENT, secret_requests=HF_MLFLOW,
       interruptible=True, retries=3, timeout=TIMEOUTS["train"], enable_deck=False)
 def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame, prompts_digest: str,
-          model_dir: FlyteDirectory, checkpoint_dir: str, run: TrackingRun) -> TrainOutputs:
+          model_dir: FlyteDirectory, checkpoint_dir: str, run: TrackingRun, allow_config_change: bool) -> TrainOutputs:
     """The RL loop as a Ray job, in the run folder ``checkpoint_dir`` (a local folder or an object-store
     URI, kept across executions; default: under this attempt's raw output prefix). Resumes, in order,
     from the run folder a previous attempt of this execution recorded in the Flyte checkpoint, from
-    the run folder's latest checkpoint, or starts fresh."""
+    the run folder's latest checkpoint, or starts fresh. A resume with changed objective settings
+    fails closed unless ``allow_config_change`` (the change is then recorded in the run folder)."""
     load_secrets(HF_MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.train import train as run_training
@@ -220,7 +222,7 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, trajectories), metrics_cb]
     try:
         result = run_training(config, folder.local, resume=resume, prompts=prompts, model_path=model_dir.download(),
-                              callbacks=callbacks)
+                              callbacks=callbacks, allow_config_change=allow_config_change)
     except (ConnectionError, TimeoutError) as exc:  # engine/server faults: worth a retry
         raise FlyteRecoverableException(f"transient failure in training: {exc}") from exc
     except RuntimeError as exc:
