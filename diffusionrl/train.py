@@ -5,6 +5,8 @@
 
 Prints one JSON line of metrics per step, writes ``metrics.jsonl``, checkpoints and the LoRA
 (``<out>/lora``). Re-running with the same ``--out`` resumes from the latest checkpoint.
+A mistake in the config or the prompts (a ``diffusionrl.errors.UserError``) is one line on stderr
+and exit status 2; the prompts are loaded and checked before the model.
 
 ``build_loop`` picks the policy side of the run: ``training.local_worker.LocalPolicyWorker`` in
 this process, or ``distributed.ranks.RankGroup`` when ``train.world_size > 1`` (docs/scaling.md);
@@ -19,7 +21,8 @@ import logging
 import sys
 from pathlib import Path
 
-from diffusionrl.config import Config, ConfigError, describe, load_config
+from diffusionrl.config import Config, describe, load_config
+from diffusionrl.errors import run_cli
 from diffusionrl.runloop import Callback, RunLoop, RunResult, Schedule
 
 KEYS = (
@@ -101,14 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
-    try:
+
+    def run() -> None:  # a mistake in the config or the prompts: one line, exit status 2 (run_cli)
         cfg = load_config(args.preset, args.config, overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    result = train(cfg, args.out, resume=None if args.fresh else "auto", callbacks=[PrintMetrics()])
-    print(json.dumps({"out": str(result.out_dir), "lora": str(result.model_dir), "steps": result.steps_done}))
-    return 0
+        result = train(cfg, args.out, resume=None if args.fresh else "auto", callbacks=[PrintMetrics()])
+        print(json.dumps({"out": str(result.out_dir), "lora": str(result.model_dir), "steps": result.steps_done}))
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

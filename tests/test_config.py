@@ -111,3 +111,16 @@ def test_a_partial_tree_is_laid_over_its_preset_not_over_bare_defaults():
     full = {**get_preset("sd35m-ocr").to_dict(), "preset": "my-recipe"}  # a full tree needs no preset
     assert Config.from_dict(full).preset == "my-recipe"
 
+
+def test_the_cli_prints_one_line_and_exits_2(tmp_path, capsys):
+    from diffusionrl.config import main as config_main
+    from diffusionrl.train import main as train_main
+
+    assert train_main(["--set", "train.lerning_rate=1", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "config error: unknown key 'lerning_rate' in override 'train.lerning_rate' " \
+                                      "(train); did you mean 'learning_rate'?\n"
+    assert train_main(["--set", f"data.source={tmp_path / 'none.txt'}", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == f"prompt data error: no such file or folder: {tmp_path / 'none.txt'}\n"
+    assert not (tmp_path / "run").exists()  # nothing was started
+    assert config_main(["--set", "model.device=gpu"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
