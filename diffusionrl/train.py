@@ -65,6 +65,9 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
         from diffusionrl.training.local_worker import LocalPolicyWorker
 
         worker = LocalPolicyWorker(cfg, model_path=model_path, engine_factory=engine_factory)
+        # Once, now: which prompts the text encoders cut short (else diffusers says it on every encoding).
+        all_prompts = [r["prompt"] for r in prompts.train + prompts.test]
+        worker.adapter.warn_truncated(all_prompts, cfg.model.max_sequence_length)
     backend = ImageBackend(cfg, out_dir, prompts, worker, scorer if scorer is not None else make_scorer(cfg.reward))
     tc = cfg.train
     schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints)
