@@ -240,8 +240,8 @@ def test_prompts_are_validated_before_the_model_is_fetched(grpo, tmp_path):
     from diffusionrl.data import PromptDataError
     from tasks.grpo import prepare_prompts
 
+    (tmp_path / "train.txt").write_text("a\nb\n")
     with pytest.raises(PromptDataError, match=r"no test split in this folder") as err:
-        (tmp_path / "train.txt").write_text("a\nb\n")
         prepare_prompts(data=DataConfig(source=str(tmp_path)), reward=RewardConfig(), fingerprint="x")
     import traceback
 
