@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from diffusionrl.errors import UserError
 from diffusionrl.manifest import CheckpointDamaged, verify_checkpoint, write_manifest
 
 __all__ = ["CheckpointDamaged", "CheckpointMismatch", "CheckpointState", "ConfigChanged", "config_changes",
@@ -45,7 +46,7 @@ READABLE_FORMATS = (1, 2)
 NAME = re.compile(r"step-\d+")
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(UserError):
     """A checkpoint was made for another model or objective than the current run."""
 
 

@@ -3,14 +3,14 @@
 Every default lives here, once. Sections: ``model``, ``sampling``, ``algorithm``, ``reward``,
 ``train``, ``eval``, ``data`` and ``tracking``. Each field carries its help text in ``metadata["help"]``.
 Presets are named configurations (``tiny-cpu``, ``sd35m-ocr``, ...; ``diffusionrl.presets``); a
-YAML/JSON file and dotted ``key=value`` overrides are applied on top of a preset. Unknown keys and
-inconsistent settings are rejected with a message that says what to change.
+YAML/JSON file and dotted ``key=value`` overrides are applied on top of a preset (any partial tree
+is laid over the preset its ``preset`` key names). Unknown keys, non-finite numbers and inconsistent
+settings are rejected with a one-line ``ConfigError`` that names the key and says what to change.
 
 The tree is kept plain (str/int/float/bool/list/dict leaves, no Optional dataclasses) so that it
 travels as a Flyte dataclass input and the Flyte console can show it with its defaults. The generic
-machinery (round trip, digest, files, overrides, checks) is ``diffusionrl.configtree``, re-exported here.
-``python -m diffusionrl.config --preset NAME [--config FILE] [--set k=v ...]`` prints the full config
-as YAML (how ``configs/*.yaml`` are made).
+machinery is ``diffusionrl.configtree``. ``python -m diffusionrl.config --preset NAME [--config
+FILE] [--set k=v ...]`` prints the full config as YAML (how ``configs/*.yaml`` are made).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from diffusionrl.configtree import (
     ConfigTree,
     apply_overrides,
     check_choice,
+    check_device,
     check_positive,
     option,
     read_config_file,
 )
+from diffusionrl.errors import run_cli
 from diffusionrl.presets import PRESETS, SD3_LORA_TARGETS, preset_changes
 
 __all__ = [  # the schema, its loader and CLI, and the machinery callers import from here
@@ -46,7 +48,7 @@ class ModelConfig:
     )
     revision: str = option("", "Hub revision (branch, tag or commit); empty for the default branch")
     dtype: str = option("float32", "Weights dtype of the frozen modules: float32 | float16 | bfloat16")
-    device: str = option("auto", "Device: auto | cpu | cuda | cuda:N")
+    device: str = option("auto", "Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
     max_sequence_length: int = option(32, "T5 prompt length in tokens (SD3 pipelines default to 256)")
     lora_rank: int = option(8, "LoRA rank r")
     lora_alpha: int = option(16, "LoRA alpha (scale = alpha / r)")
@@ -57,6 +59,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_choice("model", "dtype", self.dtype, ("float32", "float16", "bfloat16"))
         check_choice("model", "lora_init", self.lora_init, ("gaussian", "true"))
+        check_device("model", "device", self.device)
         check_positive("model", "lora_rank", self.lora_rank)
         check_positive("model", "lora_alpha", self.lora_alpha)
         check_positive("model", "max_sequence_length", self.max_sequence_length)
@@ -290,6 +293,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"data.test_fraction={self.test_fraction} must be in (0, 1)")
+        if self.source.startswith("builtin:") and self.num_prompts < 2:
+            raise ConfigError(f"data.num_prompts={self.num_prompts}: {self.source} must make at least 2 prompts, "
+                              "one to train on and one held out for evaluation")
 
 
 @dataclass
@@ -299,7 +305,7 @@ class TrackingConfig:
     registered_model: str = option("tiny-sd3-jpeg", "Registry name; versions of one name compete for @champion")
     log_retries: int = option(5, "Attempts per MLflow logging call (exponential backoff) before buffering for later")
     max_artifact_mb: float = option(200.0, "Trajectory folders up to this size are copied to MLflow; larger ones are "
-                                    "linked")
+                                    "linked (.inf: always copied)", allow_inf=True)
 
     def __post_init__(self) -> None:
         check_positive("tracking", "log_retries", self.log_retries)
@@ -321,6 +327,7 @@ class Config(ConfigTree):
     preset: str = option("tiny-cpu", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
+        self.check_numbers()
         if self.algorithm.name == "flow_grpo" and self.sampling.sde_type == "ode":
             raise ConfigError(
                 "algorithm.name=flow_grpo needs stochastic rollouts: set sampling.sde_type to sde or cps "
@@ -342,6 +349,10 @@ class Config(ConfigTree):
     @classmethod
     def sections(cls) -> dict[str, type]:
         return SECTIONS
+
+    @classmethod
+    def preset_dict(cls, name: str) -> dict:
+        return get_preset(name).to_dict()
 
 
 SECTIONS: dict[str, type] = {
@@ -388,7 +399,7 @@ def dump_preset(preset: str, file: str | Path | None = None, overrides: list[str
     cfg = load_config(preset, file, overrides)
     return (
         f"# Full config of preset {preset} (generated: python -m diffusionrl.config --preset {preset}).\n"
-        f"# Pass it to pyflyte run ... --config configs/{preset}.yaml; every key is required there.\n"
+        f"# Pass it to pyflyte run ... --config configs/{preset}.yaml; keys left out come from the 'preset' key's.\n"
         + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     )
 
@@ -402,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="YAML/JSON file applied over the preset")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    print(dump_preset(args.preset, args.config, args.overrides), end="")
-    return 0
+    return run_cli(lambda: print(dump_preset(args.preset, args.config, args.overrides), end=""))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,14 @@ A tree is a dataclass of *sections* (dataclasses of plain leaves: str/int/float/
 plus top-level leaves, mixed with :class:`ConfigTree`. This module gives it:
 
 * fields with help text: :func:`option`; value checks for ``__post_init__``: :func:`check_choice`,
-  :func:`check_positive`; one error type, :class:`ConfigError`;
+  :func:`check_positive`; one error type, :class:`ConfigError` (a ``diffusionrl.errors.UserError``);
 * a dict round trip (``to_dict`` / ``from_dict``) in which unknown keys are rejected with a
-  suggestion and leaves are type-checked against their annotations;
+  suggestion, a partial tree is completed from the preset its ``preset`` key names (never from bare
+  defaults under a preset's name), and leaves are type-checked against their annotations, numbers
+  (list items and dict values too) must be finite (``option(..., allow_inf=True)`` admits +-inf);
+* the same checks on every way into a tree from outside Python: ``from_json`` is what ``pyflyte run
+  --config FILE`` calls, and mashumaro's ``__pre_deserialize__`` hook runs ``from_dict`` whenever
+  flytekit decodes a tree (the Flyte console, a remote launch, every task input);
 * dotted flattening (``flat``) and a content digest (``digest``);
 * one merge of a partial dict over a full one (``ConfigTree.merge_dicts``), YAML/JSON files
   (:func:`read_config_file`) and dotted ``section.key=value`` overrides (:func:`apply_overrides`);
@@ -24,17 +29,22 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
+import re
 from dataclasses import field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from diffusionrl.errors import UserError
+
 __all__ = [
     "ConfigError",
     "ConfigTree",
     "apply_overrides",
     "check_choice",
+    "check_device",
     "check_positive",
     "lookup_preset",
     "option",
@@ -45,16 +55,20 @@ __all__ = [
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration value is missing, unknown or inconsistent."""
 
+    kind = "config error"
 
-def option(default: Any, help: str, **kw: Any) -> Any:
+
+def option(default: Any, help: str, allow_inf: bool = False, **kw: Any) -> Any:
     """A config option: a dataclass field with its default and its help text in ``metadata["help"]``
-    (list and dict defaults are copied per instance)."""
+    (list and dict defaults are copied per instance). Its numbers must be finite unless
+    ``allow_inf`` (``metadata["allow_inf"]``: +-inf means something for this key); NaN never is."""
+    metadata = {"help": help, "allow_inf": allow_inf}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
 
 
 def check_choice(section: str, name: str, value: Any, choices: tuple) -> None:
@@ -64,10 +78,18 @@ def check_choice(section: str, name: str, value: Any, choices: tuple) -> None:
 
 
 def check_positive(section: str, name: str, value: float, allow_zero: bool = False) -> None:
-    """Reject ``section.name=value`` unless ``value > 0`` (``>= 0`` with ``allow_zero``)."""
-    if value < 0 or (value == 0 and not allow_zero):
+    """Reject ``section.name=value`` unless ``value > 0`` (``>= 0`` with ``allow_zero``); NaN is rejected."""
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"{section}.{name}={value!r} must be a finite number")
+    if not (value > 0 or (allow_zero and value == 0)):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{section}.{name}={value!r} must be {bound}")
+
+
+def check_device(section: str, name: str, value: Any) -> None:
+    """Reject ``section.name=value`` unless it is a device the models take: auto, cpu, cuda, cuda:N."""
+    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise ConfigError(f"{section}.{name}={value!r} is not a device: use auto, cpu, cuda or cuda:N")
 
 
 def unknown_key_error(key: str, known: list[str], where: str) -> ConfigError:
@@ -114,9 +136,73 @@ class ConfigTree:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
+    def preset_dict(cls, name: str) -> dict[str, Any]:
+        """The full dict of the named preset (a ``ConfigError`` naming the known ones if there is none)."""
+        raise NotImplementedError
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config"):
-        """The tree of a (full or partial) dict; missing keys take their defaults."""
-        return _build(cls, data, where, cls.sections())
+        """The tree of a full or partial dict (``complete``), type-checked and validated."""
+        return _build(cls, cls.complete(data, where), where, "", cls.sections())
+
+    @classmethod
+    def complete(cls, data: dict[str, Any], where: str = "config") -> dict[str, Any]:
+        """The full dict of a full or partial one; unknown keys are rejected, naming ``where``.
+
+        A partial dict is laid over the preset its ``preset`` key names (the field's default when
+        the key is absent), so a tree that says it is preset P holds P's values wherever it is
+        silent; a preset that does not exist is then an error. A full dict is taken as it is (its
+        ``preset`` is only a label).
+        """
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+        base = cls().to_dict()
+        missing = _missing_keys(base, data, cls.sections())
+        if missing:
+            name = data.get("preset", base.get("preset"))
+            if not isinstance(name, str):
+                raise ConfigError(f"{where}: preset must be a preset name, got {name!r}")
+            try:
+                base = cls.preset_dict(name)
+            except ConfigError as exc:
+                shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+                raise ConfigError(f"{where} leaves {len(missing)} keys unset ({shown}) to be filled from its preset, "
+                                  f"but {exc}") from None
+        return cls.merge_dicts(base, data, where)
+
+    @classmethod
+    def from_json(cls, text: str | bytes):
+        """The tree of a JSON object, full or partial (``from_dict``). ``pyflyte run ... --config
+        FILE`` builds a dataclass input with its class's ``from_json`` (flytekit's ``JsonParamType``;
+        without one it would wrap the class with dataclasses_json, which ignores unknown keys and fills
+        gaps with bare defaults), so a YAML file there is checked as ``load_config`` checks it."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config is not valid JSON: {exc}") from exc
+        try:
+            return cls.from_dict(data, where="config")
+        except ConfigError as exc:  # pyflyte prints a traceback box: keep it to this frame, the message below
+            raise exc.with_traceback(None) from None
+
+    @classmethod
+    def __pre_deserialize__(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """mashumaro's hook, run on the raw dict before it decodes a tree (flytekit decodes every
+        dataclass input with mashumaro codecs: a launch from the Flyte console or a remote client,
+        and every task that takes the tree). The dict is completed and checked as ``from_dict`` does:
+        a partial tree is laid over its preset, an unknown key is an error, not a silent drop."""
+        return cls.from_dict(data, where="config").to_dict()
+
+    def check_numbers(self) -> None:
+        """Reject a non-finite number in any leaf (``from_dict`` checks them too; this covers a tree
+        built directly in Python). Call it first in the tree's ``__post_init__``."""
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if section.name in self.sections():
+                for f in fields(value):
+                    _check_finite(getattr(value, f.name), f"{section.name}.{f.name}", f.metadata)
+            else:
+                _check_finite(value, section.name, section.metadata)
 
     @classmethod
     def merge_dicts(cls, base: dict[str, Any], update: dict[str, Any], where: str) -> dict[str, Any]:
@@ -150,48 +236,100 @@ class ConfigTree:
         return "\n".join(lines)
 
 
-def _build(cls: type, data: dict[str, Any], where: str, sections: dict[str, type] | None = None) -> Any:
-    """``cls(**data)`` with unknown keys rejected and leaves coerced; ``sections`` are built recursively."""
+def _missing_keys(base: dict[str, Any], data: dict[str, Any], sections: dict[str, type]) -> list[str]:
+    """Dotted keys of ``base`` (a full dict) that ``data`` leaves out (``preset`` aside: it is the label)."""
+    missing = []
+    for key, value in base.items():
+        if key == "preset":
+            continue
+        if key not in data:
+            missing += [f"{key}.{leaf}" for leaf in value] if key in sections else [key]
+        elif key in sections and isinstance(data[key], dict):
+            missing += [f"{key}.{leaf}" for leaf in value if leaf not in data[key]]
+    return missing
+
+
+def _build(cls: type, data: dict[str, Any], where: str, prefix: str, sections: dict[str, type] | None = None) -> Any:
+    """``cls(**data)`` with unknown keys rejected and leaves coerced; ``sections`` are built
+    recursively. ``where`` names the source in unknown-key errors, ``prefix`` is the dotted key of
+    ``cls`` in the tree ('' at the root), which value errors name."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{prefix or where} must be a mapping, got {type(data).__name__}")
     known = [f.name for f in fields(cls)]
-    types = {f.name: f.type for f in fields(cls)}
+    by_name = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     sections = sections or {}
     for key, value in data.items():
         if key not in known:
-            raise unknown_key_error(key, known, where)
+            raise unknown_key_error(key, known, f"{where}.{prefix}" if prefix else where)
+        dotted = f"{prefix}.{key}" if prefix else key
         if key in sections:
-            kwargs[key] = _build(sections[key], value, f"{where}.{key}")
+            kwargs[key] = _build(sections[key], value, where, dotted)
         else:
-            kwargs[key] = _coerce(value, types[key], f"{where}.{key}")
+            f = by_name[key]
+            kwargs[key] = _coerce(value, str(f.type), dotted, f.metadata.get("allow_inf", False))
     try:
         return cls(**kwargs)
     except TypeError as exc:  # pragma: no cover - defensive, names are checked above
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-def _coerce(value: Any, type_name: str, where: str) -> Any:
-    """Check a leaf against its annotation (``float`` also takes ints and numeric strings like
-    YAML's ``3e-4``); nested containers are checked by their outer type."""
-    base = str(type_name).split("[")[0]
+_SCALARS = {"int": int, "bool": bool, "str": str, "float": float}
+
+
+def _coerce(value: Any, type_name: str, key: str, allow_inf: bool = False) -> Any:
+    """Check a leaf against its annotation: ``float`` also takes ints and numeric strings like
+    YAML's ``3e-4`` and must be finite (unless ``allow_inf``; NaN never), ``int`` takes integral
+    floats (JSON from the Flyte console has no ints); the items of ``list[X]`` and the values of
+    ``dict[str, X]`` are checked as ``X``. Errors name the dotted ``key``."""
+    base, _, inner = str(type_name).partition("[")
+    base = base.strip()
+    if base == "list" and isinstance(value, list):
+        item = inner.rstrip("]").strip()
+        return [_coerce(v, item, f"{key}[{i}]", allow_inf) if item in _SCALARS else v for i, v in enumerate(value)]
+    if base == "dict" and isinstance(value, dict):
+        item = inner.rstrip("]").rpartition(",")[2].strip()
+        if item in _SCALARS:
+            bad = [k for k in value if not isinstance(k, str)]
+            if bad:
+                raise ConfigError(f"{key} keys must be strings, got {bad[0]!r}")
+            return {k: _coerce(v, item, f"{key}.{k}", allow_inf) for k, v in value.items()}
+        return value
     if base == "float":
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+        number: Any = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where} must be a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        _check_finite(number, key, {"allow_inf": allow_inf})
+        return number
+    if base == "int" and isinstance(value, float) and value.is_integer():
+        return int(value)
     expected = {"int": int, "bool": bool, "str": str, "list": list, "dict": dict}.get(base)
     if expected is None:
         return value
     if expected is int and isinstance(value, bool) or not isinstance(value, expected):
-        raise ConfigError(f"{where} must be of type {type_name}, got {value!r}")
+        raise ConfigError(f"{key} must be of type {type_name}, got {value!r}")
     return value
+
+
+def _check_finite(value: Any, key: str, metadata: Any) -> None:
+    """Reject NaN anywhere in ``value`` (a number, or the items of a list / values of a dict) and
+    +-inf unless ``metadata["allow_inf"]``."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{key}.{k}", metadata)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key}[{i}]", metadata)
+    elif isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value) or not metadata.get("allow_inf", False):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
 
 
 def _parse_value(raw: str) -> Any:

@@ -5,19 +5,25 @@ Sources (``data.source``):
 - ``builtin:ocr``: OCR text-rendering prompts (``diffusionrl.data_ocr``);
 - a ``.txt`` file (one prompt a line), a ``.jsonl`` file (``{"prompt": ..., <metadata>}`` a line),
   a ``.parquet`` file (a ``prompt`` column plus metadata columns);
-- a folder in the flowgrpo layout (``train.jsonl``/``test.jsonl`` or ``train.txt``/``test.txt``),
-  whose own split is kept;
+- a folder in the flowgrpo layout: one ``train`` and one ``test`` file of the kinds above (any
+  pair, e.g. ``train.jsonl`` + ``test.txt``), whose own split is kept;
 - ``hf://datasets/<owner>/<repo>/<path>[@revision]``: a file of a Hugging Face dataset repo,
   downloaded with ``HF_TOKEN`` (unreachable offline; same parsers).
 
-Malformed rows raise ``PromptDataError`` naming the file and line. Blank and duplicate prompts are
-dropped and counted. The split is by a hash of each prompt's text, so it does not depend on row
-order and a prompt never moves between train and test when rows are added.
+Malformed rows raise ``PromptDataError`` (a ``diffusionrl.errors.UserError``) naming the file and
+line, and so do the reward's own prompt checks (e.g. an OCR prompt without a quoted text). A UTF-8
+byte-order mark is dropped. Blank and duplicate prompts are dropped and counted (a test row that
+repeats a training prompt is a duplicate). Every source must give both splits, non-empty and
+disjoint, or ``load_prompts`` fails saying why; it runs before any model is loaded (``train.build_loop``,
+and the workflow's ``prepare_prompts``, which the checkpoint fetch waits for). The split of a
+single file or generator is by a hash of each prompt's text, so it does not depend on row order and
+a prompt never moves between train and test when rows are added.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 from dataclasses import dataclass, field
@@ -26,11 +32,16 @@ from typing import Any
 
 import numpy as np
 
+from diffusionrl.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class PromptDataError(ValueError):
-    """A prompt row is malformed; the message names the file and line."""
+class PromptDataError(UserError):
+    """Prompt data that cannot be used: a malformed row (the message names the file and line), a
+    missing file, a split that is missing or empty."""
+
+    kind = "prompt data error"
 
 
 @dataclass
@@ -100,7 +111,7 @@ def _row(obj: Any, where: str) -> dict[str, Any]:
 def read_txt(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     name = name or str(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a leading byte-order mark is dropped
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[: exc.start].count(b"\n") + 1
         raise PromptDataError(f"{name}:{line}: not valid UTF-8 ({exc.reason})") from exc
@@ -114,7 +125,7 @@ def read_jsonl(path: Path, name: str | None = None) -> list[tuple[str, dict[str,
         for i, raw in enumerate(fh, start=1):
             where = f"{name}:{i}"
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if i == 1 else "utf-8")  # a byte-order mark opens line 1 only
             except UnicodeDecodeError as exc:
                 raise PromptDataError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
             if not text.strip():
@@ -148,23 +159,28 @@ _READERS = {".txt": read_txt, ".jsonl": read_jsonl, ".parquet": read_parquet}
 
 
 def read_file(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` pairs of a prompt file, ``where`` naming its file and line (or Parquet row)."""
+    if not path.exists():
+        raise PromptDataError(f"no such file or folder: {name or path}")
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
         raise PromptDataError(
-            f"{name or path}: unsupported prompt file type {path.suffix!r}; use .txt, .jsonl or .parquet"
+            f"{name or path}: unsupported prompt file type {path.suffix!r}; use .txt, .jsonl or .parquet "
+            "(or a folder holding a train and a test file of those kinds)"
         )
     if not path.is_file():
-        raise PromptDataError(f"{name or path}: file not found")
+        raise PromptDataError(f"{name or path}: not a file")
     return reader(path, name)
 
 
 def clean_rows(
     rows: list[tuple[str, dict[str, Any]]], stats: dict[str, int], seen: set[str] | None = None
-) -> list[dict]:
-    """Strip prompts, drop (and count) blank and duplicate ones."""
+) -> list[tuple[str, dict[str, Any]]]:
+    """Strip prompts, drop (and count) blank and duplicate ones (``seen``: prompts kept before);
+    each kept row keeps its ``where``."""
     seen = set() if seen is None else seen
     out = []
-    for _where, row in rows:
+    for where, row in rows:
         prompt = row["prompt"].strip()
         if not prompt:
             stats["blank"] = stats.get("blank", 0) + 1
@@ -173,7 +189,7 @@ def clean_rows(
             stats["duplicate"] = stats.get("duplicate", 0) + 1
             continue
         seen.add(prompt)
-        out.append({**row, "prompt": prompt})
+        out.append((where, {**row, "prompt": prompt}))
     return out
 
 
@@ -252,41 +268,36 @@ def source_fingerprint(source: str) -> str:
 def load_prompts(data_cfg, validate=None) -> PromptSet:
     """Load, validate and split the prompts of ``data_cfg`` (a ``DataConfig``).
 
-    ``validate(rows, where)`` is an extra check (e.g. the OCR reward needs a quoted span).
+    ``validate(rows, where, locations=None)`` is an extra check (e.g. the OCR reward needs a quoted
+    span; ``rewards.prompt_validator``); ``locations[i]`` names row i's file and line. Its
+    ``ValueError`` becomes a ``PromptDataError``. Both splits must be non-empty and disjoint.
     """
     source = data_cfg.source
     stats: dict[str, int] = {}
-    given_split: tuple[list[dict], list[dict]] | None = None
     if source == "builtin:objects":
-        rows = generate_object_prompts(data_cfg.num_prompts, data_cfg.seed)
+        train, test = split_rows(generate_object_prompts(data_cfg.num_prompts, data_cfg.seed),
+                                 data_cfg.test_fraction, data_cfg.seed)
+        _validate(validate, train, f"{source} (train)")
+        _validate(validate, test, f"{source} (test)")
     elif source == "builtin:ocr":
         from diffusionrl.data_ocr import generate_ocr_prompts
 
-        given_split = generate_ocr_prompts(data_cfg.num_prompts, data_cfg.seed, data_cfg.test_fraction)
-        rows = []
+        train, test = generate_ocr_prompts(data_cfg.num_prompts, data_cfg.seed, data_cfg.test_fraction)
+        _validate(validate, train, f"{source} (train)")
+        _validate(validate, test, f"{source} (test)")
     elif source.startswith("builtin:"):
         raise PromptDataError(f"unknown built-in prompt generator {source!r}; use builtin:objects or builtin:ocr")
     else:
-        if source.startswith("hf://datasets/"):
-            path = _hf_download(source)
-        elif "://" in source:
-            path = _fsspec_download(source)
-        else:
-            path = Path(source).expanduser()
+        path = _local_path(source)
         if path.is_dir():
-            given_split = _read_split_folder(path, stats)
-            rows = []
+            train, test = _read_split_folder(path, source, stats, validate)
         else:
-            rows = clean_rows(read_file(path, source), stats)
-    if given_split is None:
-        train, test = split_rows(rows, data_cfg.test_fraction, data_cfg.seed)
-    else:
-        train, test = given_split
-    if not train:
-        raise PromptDataError(f"{source}: no training prompts left after removing blank and duplicate rows")
-    if validate is not None:
-        validate(train, f"{source} (train)")
-        validate(test, f"{source} (test)")
+            located = clean_rows(read_file(path, source), stats)
+            if len(located) < 2:
+                raise PromptDataError(f"{source}: {_too_few(len(located), stats)}")
+            _validate(validate, [r for _, r in located], source, [w for w, _ in located])
+            train, test = split_rows([r for _, r in located], data_cfg.test_fraction, data_cfg.seed)
+    _check_splits(source, train, test, data_cfg.test_fraction)
     stats.update({"train": len(train), "test": len(test),
                   "blank": stats.get("blank", 0), "duplicate": stats.get("duplicate", 0)})
     if stats["blank"] or stats["duplicate"]:
@@ -294,15 +305,82 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
     return PromptSet(train=train, test=test, source=source, stats=stats)
 
 
-def _read_split_folder(folder: Path, stats: dict[str, int]) -> tuple[list[dict], list[dict]]:
-    for ext in (".jsonl", ".txt", ".parquet"):
-        train, test = folder / f"train{ext}", folder / f"test{ext}"
-        if train.is_file():
-            seen: set[str] = set()
-            train_rows = clean_rows(read_file(train), stats, seen)
-            test_rows = clean_rows(read_file(test), stats, seen) if test.is_file() else []
-            return train_rows, test_rows
-    raise PromptDataError(f"{folder}: no train.jsonl / train.txt / train.parquet in this folder")
+def _local_path(source: str) -> Path:
+    """A local path for ``source``: downloaded from the hub or an object store, else the path itself."""
+    if source.startswith("hf://datasets/"):
+        return _hf_download(source)
+    if "://" in source:
+        return _fsspec_download(source)
+    return Path(source).expanduser()
+
+
+def _too_few(kept: int, stats: dict[str, int]) -> str:
+    """Why ``kept`` (< 2) usable prompts are not enough, counting what was dropped."""
+    dropped = [f"{stats[k]} {k}" for k in ("blank", "duplicate") if stats.get(k)]
+    why = f" ({' and '.join(dropped)} rows dropped)" if dropped else ""
+    what = "no prompts" if kept == 0 else "only 1 prompt"
+    return f"{what}{why}; at least 2 are needed, one to train on and one held out for evaluation"
+
+
+def _validate(validate, rows: list[dict], where: str, locations: list[str] | None = None) -> None:
+    """Run the reward's prompt check; its ``ValueError`` is a ``PromptDataError``."""
+    if validate is None or not rows:
+        return
+    try:
+        if locations is not None and "locations" in inspect.signature(validate).parameters:
+            validate(rows, where, locations=locations)
+        else:
+            validate(rows, where)
+    except PromptDataError:
+        raise
+    except ValueError as exc:
+        raise PromptDataError(str(exc)) from exc
+
+
+def _check_splits(source: str, train: list[dict], test: list[dict], test_fraction: float) -> None:
+    """Both splits non-empty and disjoint (what every source must give; the readers see to most of it)."""
+    if not train or not test:
+        empty, other = ("training", test) if not train else ("test", train)
+        raise PromptDataError(
+            f"{source}: the {empty} split is empty: all {len(other)} prompts fell on the other side at "
+            f"data.test_fraction={test_fraction}; change it"
+        )
+    both = {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    if both:
+        raise PromptDataError(f"{source}: {len(both)} prompts are in both splits, e.g. {sorted(both)[0]!r}")
+
+
+def _read_split_folder(folder: Path, name: str, stats: dict[str, int], validate=None) -> tuple[list[dict], list[dict]]:
+    """The given split of a folder: exactly one ``train`` and one ``test`` file of any supported kind.
+    Test rows that repeat a training prompt are dropped as duplicates; each split must keep a row."""
+    files = {split: sorted(p for p in folder.iterdir() if p.stem == split and p.suffix.lower() in _READERS)
+             for split in ("train", "test")}
+    for split, other in (("train", "test"), ("test", "train")):
+        found = files[split]
+        if not found:
+            beside = f" beside {files[other][0].name}" if files[other] else ""
+            raise PromptDataError(
+                f"{name}: no {split} split in this folder; put one of {', '.join(split + k for k in _READERS)}{beside}"
+            )
+        if len(found) > 1:
+            raise PromptDataError(f"{name}: {' and '.join(p.name for p in found)} are both {split} splits; keep one")
+    seen: set[str] = set()
+    splits = []
+    for split, (path,) in files.items():
+        where = f"{name.rstrip('/')}/{path.name}"
+        split_stats: dict[str, int] = {}
+        rows = read_file(path, where)
+        located = clean_rows(rows, split_stats, seen)
+        for k, v in split_stats.items():
+            stats[k] = stats.get(k, 0) + v
+        if not located:
+            dup = split_stats.get("duplicate", 0)
+            why = (f": its {len(rows)} rows are blank or repeat training prompts ({dup} duplicates)" if dup
+                   else f": it has {len(rows)} rows, all blank" if rows else ": the file is empty")
+            raise PromptDataError(f"{where}: the {split} split is empty{why}")
+        _validate(validate, [r for _, r in located], where, [w for w, _ in located])
+        splits.append([r for _, r in located])
+    return splits[0], splits[1]
 
 
 class PromptSampler:

@@ -164,7 +164,8 @@ def _rows(rng: random.Random, texts: list[str], n: int) -> list[dict]:
 
 
 def generate_ocr_prompts(num_prompts: int, seed: int = 0, test_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
-    """``(train_rows, test_rows)``, ``num_prompts`` in all, ``round(num_prompts * test_fraction)`` for test.
+    """``(train_rows, test_rows)``, ``num_prompts`` in all, ``round(num_prompts * test_fraction)`` for test
+    (at least one of each when ``num_prompts >= 2`` and ``test_fraction > 0``).
 
     Test rows use texts held out from training (the same share of the candidate texts).
     """
@@ -176,6 +177,8 @@ def generate_ocr_prompts(num_prompts: int, seed: int = 0, test_fraction: float =
     texts = candidate_texts()
     rng.shuffle(texts)
     n_test = int(round(num_prompts * test_fraction))
+    if test_fraction > 0 and num_prompts >= 2:  # tiny sets: keep one prompt on each side
+        n_test = min(max(n_test, 1), num_prompts - 1)
     n_test_texts = max(1, int(round(len(texts) * test_fraction))) if n_test else 0
     test_texts, train_texts = texts[:n_test_texts], texts[n_test_texts:]
     return _rows(rng, train_texts, num_prompts - n_test), _rows(rng, test_texts, n_test)

@@ -20,6 +20,8 @@ import logging
 import struct
 from pathlib import Path
 
+from diffusionrl.errors import UserError
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -27,7 +29,7 @@ MANIFEST_VERSION = 1
 LEGACY_FORMAT = 1  # state.json format without a manifest
 
 
-class CheckpointDamaged(ValueError):
+class CheckpointDamaged(UserError):
     """A checkpoint's files are missing, truncated or do not match their recorded SHA-256."""
 
     def __init__(self, path: str | Path, reason: str, message: str | None = None):

@@ -45,6 +45,7 @@ from diffusionrl.checkpoint import (
     save_checkpoint,
     with_hyperparameters,
 )
+from diffusionrl.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ RUN_FILES = ("checkpoints", METRICS_FILE, CONFIG_FILE, CHANGES_FILE)  # what a f
 RUN_CONTROL_KEYS = ("preset", "eval.*", "tracking.*")
 
 
-class MetricsFileError(ValueError):
+class MetricsFileError(UserError):
     """``metrics.jsonl`` has a malformed line that is not a torn last line."""
 
 

@@ -11,6 +11,8 @@ run, changing what is optimised (learning rate, data, seed, ...) needs ``--allow
 the previous run's checkpoints, metrics.jsonl and config.json are moved to
 ``<out>/previous-run-<time>/``, never deleted (its lora/ is replaced when the new run ends; its
 final LoRA stays in its last checkpoint).
+A mistake in the config, the prompts or the run folder (a ``diffusionrl.errors.UserError``) is one
+line on stderr and exit status 2; the prompts are loaded and checked before the model.
 
 ``build_loop`` picks the policy side of the run: ``training.local_worker.LocalPolicyWorker`` in
 this process, or ``distributed.ranks.RankGroup`` when ``train.world_size > 1`` (docs/scaling.md);
@@ -25,9 +27,9 @@ import logging
 import sys
 from pathlib import Path
 
-from diffusionrl.checkpoint import CheckpointDamaged, CheckpointMismatch
-from diffusionrl.config import Config, ConfigError, describe, load_config
-from diffusionrl.runloop import RUN_CONTROL_KEYS, Callback, MetricsFileError, RunLoop, RunResult, Schedule
+from diffusionrl.config import Config, describe, load_config
+from diffusionrl.errors import run_cli
+from diffusionrl.runloop import RUN_CONTROL_KEYS, Callback, RunLoop, RunResult, Schedule
 
 KEYS = (
     "rollout/reward/raw_mean",
@@ -79,6 +81,9 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
         from diffusionrl.training.local_worker import LocalPolicyWorker
 
         worker = LocalPolicyWorker(cfg, model_path=model_path, engine_factory=engine_factory)
+        # Once, now: which prompts the text encoders cut short (else diffusers says it on every encoding).
+        all_prompts = [r["prompt"] for r in prompts.train + prompts.test]
+        worker.adapter.warn_truncated(all_prompts, cfg.model.max_sequence_length)
     backend = ImageBackend(cfg, out_dir, prompts, worker, scorer if scorer is not None else make_scorer(cfg.reward))
     tc = cfg.train
     schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints)
@@ -124,19 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
-    try:
+
+    def run() -> None:  # a mistake in the config or the prompts: one line, exit status 2 (run_cli)
         cfg = load_config(args.preset, args.config, overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    try:
         result = train(cfg, args.out, resume=None if args.fresh else "auto", callbacks=[PrintMetrics()],
                        allow_config_change=args.allow_config_change)
-    except (CheckpointMismatch, CheckpointDamaged, MetricsFileError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps({"out": str(result.out_dir), "lora": str(result.model_dir), "steps": result.steps_done}))
-    return 0
+        print(json.dumps({"out": str(result.out_dir), "lora": str(result.model_dir), "steps": result.steps_done}))
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

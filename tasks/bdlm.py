@@ -37,6 +37,7 @@ from .common import (
     resolved_or_given,
     run_callbacks,
     stage_dir,
+    user_errors,
 )
 from .resources import CPU_TASK, MLFLOW, load_secrets
 
@@ -46,6 +47,7 @@ DIGITS_CACHE = Cache(version="digits-v1")
 
 
 @task(container_image=CPU_IMAGE)
+@user_errors
 def resolve_bdlm_config(config: BDLMConfig, overrides: list[str]) -> BDLMConfig:
     return BDLMConfig.from_dict(apply_overrides(config.to_dict(), overrides))
 

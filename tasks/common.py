@@ -7,6 +7,7 @@ errors, Decks) and the ``diffusionrl`` library.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from flytekit.types.file import FlyteFile
 
 from diffusionrl import tracking
 from diffusionrl.callbacks import Callback
+from diffusionrl.errors import UserError
 from diffusionrl.tracking import TrackingRun
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,27 @@ RUN_POINTER = "run.json"  # the Flyte intra-task checkpoint: {"run_uri": ..., "s
 # Local executions all report the id "local": a process gets its own id instead, so that a failure
 # handler finds its execution's runs (local executions of one process run one after another).
 _LOCAL_EXECUTION_ID = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+# -- user errors -----------------------------------------------------------------------------------
+
+
+def user_errors(fn):
+    """Under ``@task``: a ``diffusionrl.errors.UserError`` (a config or prompt-data mistake, whose
+    one-line message names the key, file or line) leaves the task without the library frames below
+    it. Flyte shows the message; ``pyflyte run`` prints every task error as a traceback box (flytekit
+    1.16 prints one for any exception that is not click's), here the task's own frame, then
+    ``<Type>: Error encountered while executing '<task>':`` and the message line. Other
+    exceptions keep their traceback."""
+
+    @functools.wraps(fn)
+    def task_body(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            raise exc.with_traceback(None) from None
+
+    return task_body
 
 
 # -- execution ids ------------------------------------------------------------------------------------

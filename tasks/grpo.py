@@ -39,6 +39,7 @@ from .common import (
     resolved_or_given,
     run_callbacks,
     stage_dir,
+    user_errors,
 )
 from .resources import (
     ACCELERATOR,
@@ -64,8 +65,11 @@ FETCH_CACHE = Cache(version="checkpoint-v1")
 
 
 @task(container_image=CPU_IMAGE)
+@user_errors
 def resolve_config(config: Config, overrides: list[str]) -> Config:
-    """Apply dotted ``key=value`` overrides and re-validate the whole tree."""
+    """Apply dotted ``key=value`` overrides and re-validate the whole tree. (A partial tree was laid
+    over its preset and unknown keys rejected before this body runs, when flytekit decoded the input:
+    ``ConfigTree.__pre_deserialize__``.)"""
     return Config.from_dict(apply_overrides(config.to_dict(), overrides))
 
 
@@ -134,6 +138,7 @@ def rows_from_frame(df: pd.DataFrame) -> list[dict]:
 
 
 @task(container_image=CPU_IMAGE, secret_requests=secrets("hf"))
+@user_errors
 def fingerprint_prompts(data: DataConfig) -> str:
     """The prompt source's content fingerprint (file bytes, or the store's ETags): the key under which
     ``prepare_prompts`` is cached, so an edited file or a refreshed prefix is prepared again."""
@@ -144,8 +149,11 @@ def fingerprint_prompts(data: DataConfig) -> str:
 
 @task(cache=PREPARE_CACHE, container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"),
       secret_requests=secrets("hf"))
+@user_errors
 def prepare_prompts(data: DataConfig, reward: RewardConfig, fingerprint: str) -> Prompts:
-    """Prompt source -> validated, deterministically split train/test tables + content digest.
+    """Prompt source -> validated, deterministically split train/test tables + content digest: both
+    splits present, non-empty and disjoint, every row scorable by the configured rewards, or a
+    ``PromptDataError`` naming the file and line (the workflow fetches no model before this).
     Cached on (``data``, ``reward``, ``fingerprint``): the same content is prepared once."""
     load_secrets(secrets("hf"))
     from diffusionrl.rewards import prompt_validator
@@ -202,6 +210,7 @@ class ParquetTrajectories(Callback):
 
 @task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, environment=ENVIRONMENT, secret_requests=HF_MLFLOW,
       interruptible=True, retries=3, timeout=TIMEOUTS["train"], enable_deck=False)
+@user_errors
 def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame, prompts_digest: str,
           model_dir: FlyteDirectory, checkpoint_dir: str, run: TrackingRun, allow_config_change: bool) -> TrainOutputs:
     """The RL loop as a Ray job, in the run folder ``checkpoint_dir`` (a local folder or an object-store
@@ -246,6 +255,7 @@ class EvalOutputs(NamedTuple):
 
 @task(container_image=GPU_IMAGE, environment=ENVIRONMENT, secret_requests=HF_MLFLOW, requests=GPU_TASK,
       accelerator=ACCELERATOR, timeout=TIMEOUTS["evaluate"], retries=2)
+@user_errors
 def evaluate(config: Config, test_prompts: pd.DataFrame, model_dir: FlyteDirectory, lora: FlyteDirectory,
              run: TrackingRun) -> EvalOutputs:
     """ODE sampling on held-out prompts with the base model and with the LoRA, same seeds."""

@@ -71,3 +71,56 @@ def test_machinery_and_presets_import_without_the_schema():
     code = ("import sys, diffusionrl.presets, diffusionrl.configtree; "
             "assert 'diffusionrl.config' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.kl_beta=nan", "algorithm.kl_beta=nan must be a finite number"),
+    ("algorithm.clip_range=.nan", "algorithm.clip_range=nan must be a finite number"),
+    ("reward.weights={jpeg_compressibility: .nan}", "reward.weights.jpeg_compressibility=nan must be a finite number"),
+    ("train.learning_rate=inf", "train.learning_rate=inf must be a finite number"),
+    ("train.max_grad_norm=nan", "train.max_grad_norm=nan must be a finite number"),
+    ("sampling.guidance_scale=-.inf", "sampling.guidance_scale=-inf must be a finite number"),
+    ("reward.weights={jpeg_compressibility: lots}", "reward.weights.jpeg_compressibility must be a number, got 'lots'"),
+    ("model.device=gpu", "model.device='gpu' is not a device: use auto, cpu, cuda or cuda:N"),
+])
+def test_nonsense_numbers_and_devices_are_one_line_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert str(err.value) == message
+
+
+def test_inf_only_where_a_key_allows_it_and_direct_trees_are_checked_too():
+    assert load_config(overrides=["tracking.max_artifact_mb=.inf"]).tracking.max_artifact_mb == float("inf")
+    assert load_config(overrides=["model.device=cuda:1"]).model.device == "cuda:1"
+    from diffusionrl.config import AlgorithmConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"^algorithm.kl_beta=nan must be a finite number$"):
+        Config(algorithm=AlgorithmConfig(kl_beta=float("nan")))
+    with pytest.raises(ConfigError, match=r"^train.learning_rate=inf must be a finite number$"):
+        Config(train=TrainConfig(learning_rate=float("inf")))
+
+
+def test_a_partial_tree_is_laid_over_its_preset_not_over_bare_defaults():
+    cfg = Config.from_dict({"train": {"steps": 3}})  # no preset key: tiny-cpu, the field's default
+    assert cfg.train.learning_rate == get_preset("tiny-cpu").train.learning_rate != Config().train.learning_rate
+    assert cfg.train.steps == 3 and cfg.preset == "tiny-cpu"
+    nft = Config.from_dict({"preset": "tiny-cpu-nft", "train": {"steps": 3}})
+    assert nft.algorithm.name == "nft" and nft == load_config("tiny-cpu-nft", overrides=["train.steps=3"])
+    with pytest.raises(ConfigError, match=r"^config leaves 86 keys unset \(model.name, .*unknown preset 'tiny-cpx'"):
+        Config.from_dict({"preset": "tiny-cpx", "train": {"steps": 3}})
+    full = {**get_preset("sd35m-ocr").to_dict(), "preset": "my-recipe"}  # a full tree needs no preset
+    assert Config.from_dict(full).preset == "my-recipe"
+
+
+def test_the_cli_prints_one_line_and_exits_2(tmp_path, capsys):
+    from diffusionrl.config import main as config_main
+    from diffusionrl.train import main as train_main
+
+    assert train_main(["--set", "train.lerning_rate=1", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "config error: unknown key 'lerning_rate' in override 'train.lerning_rate' " \
+                                      "(train); did you mean 'learning_rate'?\n"
+    assert train_main(["--set", f"data.source={tmp_path / 'none.txt'}", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == f"prompt data error: no such file or folder: {tmp_path / 'none.txt'}\n"
+    assert not (tmp_path / "run").exists()  # nothing was started
+    assert config_main(["--set", "model.device=gpu"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from diffusionrl.config import DataConfig
+from diffusionrl.config import ConfigError, DataConfig
 from diffusionrl.data import PromptDataError, PromptSampler, load_prompts, split_rows
 
 
@@ -89,3 +89,104 @@ def test_fingerprint_of_an_object_store_prefix_follows_its_objects():
     first = source_fingerprint("memory://prompts/latest/")
     fs.pipe("/prompts/latest/train.txt", b"a longer prompt\n")
     assert source_fingerprint("memory://prompts/latest/") != first
+
+
+# -- every source gives both splits, non-empty and disjoint; errors are one line naming the file -------------
+
+
+def _one_line_error(exc_info) -> str:
+    message = str(exc_info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_folder_without_a_test_file_fails_at_load_naming_folder_and_split(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a cat"}\n{"prompt": "a dog"}\n')
+    with pytest.raises(PromptDataError) as err:
+        load_prompts(DataConfig(source=str(tmp_path)))
+    assert _one_line_error(err) == (f"{tmp_path}: no test split in this folder; put one of test.txt, test.jsonl, "
+                                    "test.parquet beside train.jsonl")
+
+
+def test_a_test_file_that_only_repeats_training_prompts_is_an_empty_split(tmp_path):
+    (tmp_path / "train.txt").write_text("a cat\na dog\n")
+    (tmp_path / "test.txt").write_text("a dog\n\na cat\n")
+    with pytest.raises(PromptDataError) as err:
+        load_prompts(DataConfig(source=str(tmp_path)))
+    assert _one_line_error(err) == (f"{tmp_path}/test.txt: the test split is empty: its 3 rows are blank or repeat "
+                                    "training prompts (2 duplicates)")
+
+
+def test_train_and_test_files_of_different_kinds_pair_up_and_two_of_a_split_fail(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a cat", "k": 1}\n{"prompt": "a dog"}\n')
+    (tmp_path / "test.txt").write_text("a bird\na dog\n")
+    ps = load_prompts(DataConfig(source=str(tmp_path)))
+    assert ps.train == [{"prompt": "a cat", "k": 1}, {"prompt": "a dog"}] and ps.test == [{"prompt": "a bird"}]
+    assert ps.stats["duplicate"] == 1
+    (tmp_path / "train.txt").write_text("a fish\n")
+    with pytest.raises(PromptDataError) as err:
+        load_prompts(DataConfig(source=str(tmp_path)))
+    assert _one_line_error(err) == f"{tmp_path}: train.jsonl and train.txt are both train splits; keep one"
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_bytes("\ufeffa cat\na dog\na bird\n".encode())
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_bytes('\ufeff{"prompt": "a cat"}\n{"prompt": "a dog"}\n'.encode())
+    for path in (txt, jsonl):
+        ps = load_prompts(DataConfig(source=str(path), test_fraction=0.4))
+        assert "a cat" in {r["prompt"] for r in ps.train + ps.test}, path
+        assert not any("\ufeff" in r["prompt"] for r in ps.train + ps.test)
+
+
+def test_too_few_prompts_say_the_real_reason(tmp_path):
+    path = tmp_path / "one.txt"
+    path.write_text("a cat\n")
+    with pytest.raises(PromptDataError) as err:
+        load_prompts(DataConfig(source=str(path)))
+    assert _one_line_error(err) == (f"{path}: only 1 prompt; at least 2 are needed, one to train on and one held "
+                                    "out for evaluation")
+    path.write_text("a cat\n\na cat\n")
+    with pytest.raises(PromptDataError, match=r"only 1 prompt \(1 blank and 1 duplicate rows dropped\)"):
+        load_prompts(DataConfig(source=str(path)))
+    path.write_text("")
+    with pytest.raises(PromptDataError, match=r"one.txt: no prompts; at least 2"):
+        load_prompts(DataConfig(source=str(path)))
+    for source in ("builtin:objects", "builtin:ocr"):
+        with pytest.raises(ConfigError) as err:
+            DataConfig(source=source, num_prompts=0)
+        assert _one_line_error(err) == (f"data.num_prompts=0: {source} must make at least 2 prompts, one to train "
+                                        "on and one held out for evaluation")
+
+
+def test_tiny_builtin_sets_keep_a_prompt_on_each_side():
+    for source in ("builtin:objects", "builtin:ocr"):
+        ps = load_prompts(DataConfig(source=source, num_prompts=2))
+        assert len(ps.train) == 1 and len(ps.test) == 1, source
+
+
+def test_a_missing_path_is_named_as_missing(tmp_path):
+    for missing in (tmp_path / "prompts", tmp_path / "prompts.jsonl"):
+        with pytest.raises(PromptDataError) as err:
+            load_prompts(DataConfig(source=str(missing)))
+        assert _one_line_error(err) == f"no such file or folder: {missing}"
+
+
+def test_a_reward_check_names_the_file_and_line_of_the_row(tmp_path):
+    from diffusionrl.config import RewardConfig
+    from diffusionrl.rewards import prompt_validator
+
+    validate = prompt_validator(RewardConfig(weights={"ocr": 1.0}))
+    path = tmp_path / "ocr.jsonl"
+    rows = [{"prompt": f'sign {i} that says "OPEN {i}"'} for i in range(30)]
+    rows[17] = {"prompt": "a sign without quotes"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(PromptDataError) as err:
+        load_prompts(DataConfig(source=str(path)), validate=validate)
+    assert _one_line_error(err).startswith(f"{path}:18: has no text for the OCR reward: prompt 'a sign without quotes'")
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "train.txt").write_text('a "A"\na "B"\n')
+    (tmp_path / "split" / "test.txt").write_text('a "C"\n\nno quotes\n')
+    with pytest.raises(PromptDataError, match=r"split/test\.txt:3: has no text for the OCR reward"):
+        load_prompts(DataConfig(source=str(tmp_path / "split")), validate=validate)

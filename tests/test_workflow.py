@@ -141,22 +141,112 @@ def test_killed_train_resumes_at_step_k_and_matches_uninterrupted(grpo, run, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_pyflyte_run_with_a_config_file_and_an_override(tmp_path):
-    from diffusionrl.config import load_config
+def _pyflyte_run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLYTE_LOCAL_CACHE_ENABLED": "false", "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "flytekit.clis.sdk_in_container.pyflyte", "run", "workflows/grpo.py", "grpo", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
 
-    cfg = load_config("tiny-cpu", overrides=SMALL + ["train.steps=1"])
-    path = tmp_path / "cfg.yaml"
+
+def test_pyflyte_run_with_a_partial_config_file_and_an_override(tmp_path):
+    """A YAML with only the keys it changes is laid over its preset (tiny-cpu's learning rate and LoRA
+    targets, not the bare dataclass defaults), exactly as ``load_config`` lays it."""
     import yaml
 
-    path.write_text(yaml.safe_dump(cfg.to_dict()))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLYTE_LOCAL_CACHE_ENABLED": "false"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "flytekit.clis.sdk_in_container.pyflyte", "run", "workflows/grpo.py", "grpo",
-         "--config", str(path), "--overrides", json.dumps(["eval.num_prompts=1"])],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
+    from diffusionrl.config import get_preset, load_config
+
+    cfg = load_config("tiny-cpu", overrides=SMALL + ["train.steps=1", "tracking.experiment=pyflyte-partial"])
+    preset = get_preset("tiny-cpu").to_dict()
+    partial = {section: {k: v for k, v in values.items() if preset[section][k] != v}
+               for section, values in cfg.to_dict().items() if isinstance(values, dict)}
+    partial = {section: values for section, values in partial.items() if values}
+    assert "learning_rate" not in partial["train"] and "model" not in partial
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"preset": "tiny-cpu", **partial}))
+    proc = _pyflyte_run("--config", str(path), "--overrides", json.dumps(["eval.num_prompts=1"]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/win_rate" in proc.stdout
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("pyflyte-partial").experiment_id
+    (run,) = client.search_runs([exp], "tags.`diffusionrl.stage` = 'workflow'")
+    expected = load_config("tiny-cpu", overrides=SMALL + ["train.steps=1", "tracking.experiment=pyflyte-partial",
+                                                         "eval.num_prompts=1"])
+    params = run.data.params
+    assert (params["preset"], params["train.learning_rate"], params["train.steps"]) == ("tiny-cpu", "0.01", "1")
+    assert expected.train.learning_rate == 0.01  # tiny-cpu's, where the bare default is 3e-4
+    assert json.loads(params["model.lora_targets"]) == expected.model.lora_targets
+
+
+def test_pyflyte_run_rejects_a_misspelt_key_in_one_line(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("preset: tiny-cpu\ntrain:\n  lerning_rate: 0.001\n")
+    proc = _pyflyte_run("--config", str(path), timeout=300)
+    assert proc.returncode != 0
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    # pyflyte prints every error below a traceback box; the box holds one frame, the message is the last line
+    assert out[-1] == "ConfigError: unknown key 'lerning_rate' in config.train; did you mean 'learning_rate'?"
+    assert len(out) < 15, "\n".join(out)
+
+
+def test_pyflyte_run_reports_a_prompt_data_error_in_one_line(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a cat"}\n{"prompt": "a dog"}\n')
+    proc = _pyflyte_run("--overrides", json.dumps([f"data.source={tmp_path}"]), timeout=300)
+    assert proc.returncode != 0
+    out = proc.stdout.strip().splitlines()  # (MLflow's own log lines go to stderr)
+    assert out[-2:] == ["PromptDataError: Error encountered while executing 'tasks.grpo.prepare_prompts':",
+                        f"  {tmp_path}: no test split in this folder; put one of test.txt, test.jsonl, test.parquet "
+                        "beside train.jsonl"]
+    assert not [line for line in out if "diffusionrl/data.py" in line]  # no library frames in the box
+
+
+def test_a_partial_or_misspelt_tree_from_the_console_is_completed_or_rejected():
+    """What the Flyte console or a remote client sends (a JSON struct or msgpack, possibly partial) is
+    decoded by flytekit with mashumaro; ``ConfigTree.__pre_deserialize__`` runs ``from_dict`` first."""
+    import msgpack
+    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.models.literals import Binary, Literal, Scalar
+    from google.protobuf import json_format, struct_pb2
+
+    from diffusionrl.config import Config, ConfigError, get_preset
+
+    ctx = FlyteContextManager.current_context()
+
+    def struct(data):
+        return Literal(scalar=Scalar(generic=json_format.Parse(json.dumps(data), struct_pb2.Struct())))
+
+    def packed(data):
+        return Literal(scalar=Scalar(binary=Binary(value=msgpack.dumps(data), tag="msgpack")))
+
+    full = get_preset("tiny-cpu-nft")
+    assert TypeEngine.to_python_value(ctx, TypeEngine.to_literal(ctx, full, Config, TypeEngine.to_literal_type(Config)),
+                                      Config) == full
+    assert TypeEngine.to_python_value(ctx, struct(full.to_dict()), Config) == full  # JSON numbers: ints come back
+    partial = {"preset": "tiny-cpu-nft", "train": {"steps": 3}}
+    for literal in (struct(partial), packed(partial)):
+        cfg = TypeEngine.to_python_value(ctx, literal, Config)
+        assert cfg == Config.from_dict({**full.to_dict(), "train": {**full.to_dict()["train"], "steps": 3}})
+    with pytest.raises(ConfigError, match=r"unknown key 'stepz' in config.train; did you mean 'steps'\?"):
+        TypeEngine.to_python_value(ctx, packed({"train": {"stepz": 3}}), Config)
+    with pytest.raises(ConfigError, match=r"^algorithm.kl_beta=nan must be a finite number$"):
+        TypeEngine.to_python_value(ctx, packed({"algorithm": {"kl_beta": float("nan")}}), Config)
+
+
+def test_prompts_are_validated_before_the_model_is_fetched(grpo, tmp_path):
+    upstream = {n.flyte_entity.name: {u.flyte_entity.name for u in n.upstream_nodes} for n in grpo.nodes}
+    assert "tasks.grpo.prepare_prompts" in upstream["tasks.grpo.fetch_checkpoint"]
+    from diffusionrl.config import DataConfig, RewardConfig
+    from diffusionrl.data import PromptDataError
+    from tasks.grpo import prepare_prompts
+
+    (tmp_path / "train.txt").write_text("a\nb\n")
+    with pytest.raises(PromptDataError, match=r"no test split in this folder") as err:
+        prepare_prompts(data=DataConfig(source=str(tmp_path)), reward=RewardConfig(), fingerprint="x")
+    import traceback
+
+    frames = {Path(f.filename).name for f in traceback.extract_tb(err.value.__traceback__)}
+    assert "data.py" not in frames and "common.py" in frames  # the task's own frame, not the library's
 
 
 def test_scheduled_launch_plan_is_importable_with_its_schedule_and_inputs(grpo):

@@ -9,6 +9,30 @@ defaults); ``overrides`` are dotted ``key=value`` strings applied on top and re-
 ``checkpoint_dir`` (local runs) is a folder that keeps resumable checkpoints across runs: re-run
 with the same value to resume an interrupted training.
 
+How a config gets in, and why it is checked the same on every way in. The input stays the typed
+``Config`` dataclass (not a YAML string), so the console keeps its JSON box with every default and
+tasks keep typed sections (``prepare_prompts`` caches on ``DataConfig`` alone). Flytekit turns a
+value into that dataclass on two roads, and both now run ``Config.from_dict``, the code behind
+``python -m diffusionrl.train --config``: unknown keys are rejected with the closest known key, a
+partial tree is laid over the preset its ``preset`` key names (``tiny-cpu`` when it has none), never
+over bare dataclass defaults, and every value is type- and range-checked (NaN/inf included).
+
+* ``pyflyte run ... --config FILE.yaml`` (and ``--remote``): flytekit's ``JsonParamType`` parses the
+  file and calls the class's ``from_json``; without one it would wrap ``Config`` with
+  dataclasses_json, which drops unknown keys and fills gaps from bare defaults (and replaces
+  ``Config.from_dict``/``to_dict`` in the process). ``ConfigTree.from_json`` is ``from_dict``.
+* Everything flytekit decodes (a launch from the console or ``FlyteRemote``, msgpack or JSON
+  literals, and every task input of type ``Config``): mashumaro's ``__pre_deserialize__`` hook on
+  ``ConfigTree`` completes and checks the raw dict before mashumaro builds the dataclass, so a
+  partial tree typed into the console is merged over its preset, and a misspelt key fails the
+  first task (``resolve_config``) naming the key. (mashumaro's ``forbid_extra_keys`` would reject
+  unknown keys too, but cannot tell a missing key from a default one, so it cannot merge.)
+
+Prompt data is validated (both splits present, non-empty, disjoint, every row scorable) in
+``prepare_prompts``, which ``fetch_checkpoint`` waits for: a bad prompt file costs no download.
+A config or prompt mistake fails its task with a one-line message; ``pyflyte run`` shows it below a
+traceback box of the task's own frame (flytekit prints a box for every non-click exception).
+
 Tracking: every execution is one MLflow run with nested prepare/train/evaluate runs, in
 ``tracking.uri`` / ``$MLFLOW_TRACKING_URI`` or else the SQLite store ``./runs/mlflow``; an
 unreachable store fails the first task. The LoRA is registered as ``tracking.registered_model``
@@ -68,7 +92,7 @@ def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_
     prompts = prepare_prompts(data=cfg.data, reward=cfg.reward, fingerprint=fingerprint_prompts(data=cfg.data))
     model = fetch_checkpoint(reference=cfg.model.name, revision=cfg.model.revision)
     run >> prompts.digest  # (one output stands for its node)
-    run >> model.digest
+    prompts.digest >> model.digest  # prompts are validated before any weights are fetched
     digests = track_inputs(run=run, config=cfg, train_prompts=prompts.train, test_prompts=prompts.test,
                            prompts_digest=prompts.digest, model_digest=model.digest)
     trained = train(config=cfg, train_prompts=prompts.train, test_prompts=prompts.test, prompts_digest=prompts.digest,

@@ -184,6 +184,7 @@ class BDLMConfig(ConfigTree):
     preset: str = option("tiny-bdlm", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
+        self.check_numbers()
         need = self.task.max_answer_length + 1
         if self.model.gen_length < need:
             raise ConfigError(
@@ -208,6 +209,10 @@ class BDLMConfig(ConfigTree):
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "bdlm config") -> BDLMConfig:
         return super().from_dict(data, where)
+
+    @classmethod
+    def preset_dict(cls, name: str) -> dict[str, Any]:
+        return load_bdlm_config(name).to_dict()
 
 
 def _tiny_bdlm() -> dict[str, Any]:

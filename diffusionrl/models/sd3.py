@@ -26,6 +26,38 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+# diffusers warns on every encode_prompt call that truncates a prompt, quoting the whole cut-off text
+# (and transformers once per tokenizer); the adapter drops those records while it encodes and says it
+# once itself (``warn_truncated``).
+_TRUNCATION_LOGS = {  # logger -> how its truncation message starts
+    "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3": "The following part of your input",
+    "transformers.tokenization_utils_base": "Token indices sequence length is longer",
+}
+
+
+class _DropTruncationWarnings(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix, self.dropped = prefix, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(self.prefix):
+            self.dropped += 1
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _truncation_warnings_dropped():
+    filters = {name: _DropTruncationWarnings(prefix) for name, prefix in _TRUNCATION_LOGS.items()}
+    for name, quiet in filters.items():
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        yield filters
+    finally:
+        for name, quiet in filters.items():
+            logging.getLogger(name).removeFilter(quiet)
+
 
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
@@ -87,6 +119,7 @@ class SD3Adapter:
             if module is not None:
                 module.eval().requires_grad_(False)
         self._digest: str | None = None
+        self._truncation_warned = False
 
     @classmethod
     def from_config(cls, model_cfg, mixed_precision: str = "no") -> SD3Adapter:
@@ -160,19 +193,9 @@ class SD3Adapter:
         position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
         unique = list(position)
         index = torch.tensor([position[p] for p in prompts], device=self.device)
-        embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompt=unique,
-            prompt_2=None,
-            prompt_3=None,
-            device=self.device,
-            num_images_per_prompt=1,
-            do_classifier_free_guidance=False,
-            max_sequence_length=max_sequence_length,
-        )
-        cond = Conditioning(embeds.index_select(0, index), pooled.index_select(0, index))
-        if negative_prompt is not None:
-            neg, _, neg_pooled, _ = self.pipe.encode_prompt(
-                prompt=[negative_prompt],
+        with _truncation_warnings_dropped() as dropped:
+            embeds, _, pooled, _ = self.pipe.encode_prompt(
+                prompt=unique,
                 prompt_2=None,
                 prompt_3=None,
                 device=self.device,
@@ -180,10 +203,57 @@ class SD3Adapter:
                 do_classifier_free_guidance=False,
                 max_sequence_length=max_sequence_length,
             )
+        if any(quiet.dropped for quiet in dropped.values()):
+            self.warn_truncated(unique, max_sequence_length)
+        cond = Conditioning(embeds.index_select(0, index), pooled.index_select(0, index))
+        if negative_prompt is not None:
+            with _truncation_warnings_dropped() as dropped:
+                neg, _, neg_pooled, _ = self.pipe.encode_prompt(
+                    prompt=[negative_prompt],
+                    prompt_2=None,
+                    prompt_3=None,
+                    device=self.device,
+                    num_images_per_prompt=1,
+                    do_classifier_free_guidance=False,
+                    max_sequence_length=max_sequence_length,
+                )
+            if any(quiet.dropped for quiet in dropped.values()):
+                self.warn_truncated([negative_prompt], max_sequence_length)
             b = len(prompts)
             cond.negative_prompt_embeds = neg.expand(b, *neg.shape[1:]).contiguous()
             cond.negative_pooled_embeds = neg_pooled.expand(b, *neg_pooled.shape[1:]).contiguous()
         return cond
+
+    def warn_truncated(self, prompts: list[str], max_sequence_length: int) -> int:
+        """Warn once (per adapter) about the prompts the text encoders cut short: CLIP takes its
+        ``tokenizer_max_length`` tokens, T5 ``max_sequence_length``. The training loop calls it on
+        all prompts once the model is loaded; ``encode_prompts`` calls it if diffusers reports a
+        truncation first. Returns how many of ``prompts`` are truncated."""
+        if self._truncation_warned:
+            return 0
+        unique = list(dict.fromkeys(prompts))
+        clip_limit = self.pipe.tokenizer_max_length
+        limits = [(self.pipe.tokenizer, clip_limit, f"CLIP takes {clip_limit} tokens")]
+        if getattr(self.pipe, "tokenizer_3", None) is not None:
+            limits.append((self.pipe.tokenizer_3, max_sequence_length,
+                           f"T5 model.max_sequence_length={max_sequence_length}"))
+        long: dict[str, None] = {}
+        hit = []
+        for tokenizer, limit, what in limits:
+            if tokenizer is None:
+                continue
+            ids = tokenizer(unique, verbose=False).input_ids  # verbose=False: no "longer than maximum" warning
+            over = [p for p, i in zip(unique, ids) if len(i) > limit]
+            if over:
+                hit.append(what)
+                long.update(dict.fromkeys(over))
+        if long:
+            self._truncation_warned = True
+            longest = max(long, key=len)
+            log.warning("%d of %d prompts are longer than the text encoders take and are truncated (%s), e.g. a "
+                        "prompt of %d characters starting %r; this is reported once", len(long), len(unique),
+                        "; ".join(hit), len(longest), longest[:60])
+        return len(long)
 
     # -- velocity -------------------------------------------------------------------------------
     def autocast(self):

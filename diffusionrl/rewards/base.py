@@ -53,10 +53,11 @@ class Reward:
 
     @classmethod
     def validate_prompts(cls, prompts: Sequence[str], metadata: Sequence[dict] | None = None,
-                         source: str = "prompts") -> None:
+                         source: str = "prompts", locations: Sequence[str] | None = None) -> None:
         """Raise ``ValueError`` naming ``source`` and the first row this reward cannot score.
 
-        ``source`` says where the rows come from (a file path, "ocr reward batch") for the message.
+        ``source`` says where the rows come from (a file path, "ocr reward batch") for the message;
+        ``locations[i]``, when given, names row i's file and line (``path:line``): name that one.
         """
 
     def __call__(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> RewardResult:

@@ -5,10 +5,11 @@ Neither names a reward: both go through the registry, so a new reward needs no c
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from .mixture import MixtureReward
-from .registry import available_rewards, prompt_check
+from .registry import prompt_check
 
 
 def make_scorer(reward_cfg):
@@ -27,21 +28,24 @@ def make_scorer(reward_cfg):
 def prompt_validator(reward_cfg) -> Callable[[list[dict], str], None] | None:
     """Extra prompt checks the configured rewards need (e.g. OCR needs a quoted target).
 
-    Returns ``validate(rows, where)`` for ``data.load_prompts(..., validate=...)``: it runs the
-    ``validate_prompts`` of every reward in ``reward_cfg.weights`` (in that order) on the rows'
-    prompts, with the rows as metadata and ``where`` as the source, and raises the first one's
-    ``ValueError``. None when no configured reward checks prompts. Builds no reward (no model is
-    loaded, torch is not imported). A name that is not registered is skipped here: ``make_scorer``
-    reports it when it builds the rewards.
+    Returns ``validate(rows, where, locations=None)`` for ``data.load_prompts(..., validate=...)``:
+    it runs the ``validate_prompts`` of every reward in ``reward_cfg.weights`` (in that order) on the
+    rows' prompts, with the rows as metadata, ``where`` as the source and ``locations`` (each row's
+    file and line, when the rows come from files), and raises the first one's ``ValueError``. None
+    when no configured reward checks prompts. Builds no reward (no model is loaded, torch is not
+    imported). A name that is not registered is a ``ConfigError`` here already, before any model is
+    loaded (``load_prompts`` runs first).
     """
-    known = set(available_rewards())
-    checks = [check for name in reward_cfg.weights if name in known and (check := prompt_check(name)) is not None]
+    checks = [check for name in reward_cfg.weights if (check := prompt_check(name)) is not None]
     if not checks:
         return None
 
-    def validate(rows: list[dict], where: str) -> None:
+    def validate(rows: list[dict], where: str, locations: list[str] | None = None) -> None:
         prompts = [r["prompt"] for r in rows]
         for check in checks:
-            check(prompts, [r for r in rows], source=where)
+            if locations is not None and "locations" in inspect.signature(check).parameters:
+                check(prompts, [r for r in rows], source=where, locations=locations)
+            else:  # a reward written before locations were passed
+                check(prompts, [r for r in rows], source=where)
 
     return validate

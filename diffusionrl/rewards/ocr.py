@@ -61,10 +61,11 @@ def ocr_target(prompt: str, meta: dict | None = None) -> str | None:
 
 
 def validate_ocr_prompts(prompts: Sequence[str], metadata: Sequence[dict] | None = None,
-                         source: str = "prompts") -> list[str]:
+                         source: str = "prompts", locations: Sequence[str] | None = None) -> list[str]:
     """The OCR target of every row; ``ValueError`` naming the first bad row if any has none.
 
-    ``source`` says where the rows come from (a file path, "reward batch") for the message.
+    ``source`` says where the rows come from (a file path, "reward batch") for the message;
+    ``locations[i]`` (``path:line``), when given, names row i instead of its index.
     """
     metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
     if len(metadata) != len(prompts):
@@ -78,10 +79,11 @@ def validate_ocr_prompts(prompts: Sequence[str], metadata: Sequence[dict] | None
         targets.append(target or "")
     if bad:
         first = bad[0]
+        row = f"{locations[first]}:" if locations is not None else f"{source}: row {first}"
         raise ValueError(
-            f"{source}: row {first} has no text for the OCR reward: prompt {prompts[first]!r} has no non-empty "
-            f'double-quoted span ({len(bad)} of {len(prompts)} rows are like this). Quote the text to render, '
-            f'e.g. \'a shop sign that says "OPEN"\', or give the row a "text" field.'
+            f"{row} has no text for the OCR reward: prompt {prompts[first]!r} has no non-empty "
+            f'double-quoted span ({len(bad)} of {len(prompts)} rows of {source} are like this). Quote the text to '
+            f'render, e.g. \'a shop sign that says "OPEN"\', or give the row a "text" field.'
         )
     return targets
 
@@ -262,9 +264,9 @@ class OcrReward(Reward):
         return cls(make_ocr_backend(reward_cfg))
 
     @classmethod
-    def validate_prompts(cls, prompts, metadata=None, source: str = "prompts") -> None:
+    def validate_prompts(cls, prompts, metadata=None, source: str = "prompts", locations=None) -> None:
         """Every row needs a text to read: ``metadata["text"]`` or a quoted span (``validate_ocr_prompts``)."""
-        validate_ocr_prompts(prompts, metadata, source=source)
+        validate_ocr_prompts(prompts, metadata, source=source, locations=locations)
 
     def __call__(self, images, prompts, metadata) -> RewardResult:
         metadata = list(metadata) if metadata is not None else [{}] * len(prompts)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from diffusionrl.configtree import ConfigError
+
 from .base import _REGISTRY, Reward, validates_prompts
 
 BUILTIN = ("jpeg", "ocr", "pickscore")  # modules of this package that register rewards
@@ -30,7 +32,7 @@ def reward_type(name: str) -> Callable[..., Reward]:
     """What is registered under ``name``: a reward class or a factory function."""
     _load_builtin()
     if name not in _REGISTRY:
-        raise ValueError(f"unknown reward {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+        raise ConfigError(f"reward.weights names an unknown reward {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 
