@@ -28,6 +28,7 @@ from .common import (
     DatasetDigests,
     RegisteredVersion,
     close_failed_runs,
+    config_change_allowed,
     execution_tags,
     open_run_folder,
     open_train_stage,
@@ -53,7 +54,7 @@ def resolve_bdlm_config(config: BDLMConfig, overrides: list[str]) -> BDLMConfig:
 
 
 @task(**CPU_TASK, secret_requests=MLFLOW)
-def on_bdlm_failure(config: BDLMConfig, overrides: list[str], checkpoint_dir: str, allow_config_change: bool,
+def on_bdlm_failure(config: BDLMConfig, overrides: list[str], checkpoint_dir: str, on_config_change: str,
                     err: FlyteError | None = None) -> None:
     """Failure handler of ``bdlm``: the MLflow runs it left open are marked FAILED."""
     load_secrets(MLFLOW)
@@ -130,7 +131,7 @@ class BDLMTrainOutputs(NamedTuple):
 @task(**CPU_TASK, secret_requests=MLFLOW, requests=Resources(cpu="2", mem="4Gi"), interruptible=True, retries=3,
       timeout=timedelta(hours=24))
 def train_bdlm(config: BDLMConfig, run: TrackingRun, init_model: FlyteDirectory, checkpoint_dir: str,
-               data_digest: str, allow_config_change: bool) -> BDLMTrainOutputs:
+               data_digest: str, on_config_change: str) -> BDLMTrainOutputs:
     """GRPO on exact traces. Resumes from this execution's Flyte checkpoint (a retried attempt),
     else from ``checkpoint_dir/grpo/checkpoints``, else starts from the warm start."""
     load_secrets(MLFLOW)
@@ -146,7 +147,7 @@ def train_bdlm(config: BDLMConfig, run: TrackingRun, init_model: FlyteDirectory,
     logger = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
     callbacks = [*run_callbacks(folder, config.grpo.keep_checkpoints), logger]
     result = train_grpo(config, folder.local, init_model.download(), resume=resume, callbacks=callbacks,
-                        allow_config_change=allow_config_change)
+                        allow_config_change=config_change_allowed(on_config_change))
     tracking.finish_quietly(run, stage)
     return BDLMTrainOutputs(FlyteDirectory(str(result.model_dir)), FlyteDirectory(folder.uri_of("traces")),
                             pd.DataFrame(result.metrics), folder.uri)

@@ -206,6 +206,20 @@ class FlyteCheckpoints(Callback):
             raise FlyteRecoverableException(f"injected fault after {self.steps_this_attempt} steps ({FAULT_ENV})")
 
 
+CONFIG_CHANGE_CHOICES = ("fail", "record")
+
+
+def config_change_allowed(on_config_change: str) -> bool:
+    """The workflows' ``on_config_change`` input: ``fail`` (a resume whose objective settings differ
+    from the checkpoint's fails closed) or ``record`` (it continues, and the change is recorded in the
+    run folder's ``config_changes.jsonl``). A string, not a bool: pyflyte warns on bool inputs."""
+    from diffusionrl.config import ConfigError
+
+    if on_config_change not in CONFIG_CHANGE_CHOICES:
+        raise ConfigError(f"on_config_change={on_config_change!r} is not one of {list(CONFIG_CHANGE_CHOICES)}")
+    return on_config_change == "record"
+
+
 def run_callbacks(folder, keep: int, *writers: Callback) -> list[Callback]:
     """The train stage's callbacks in their order: what writes into the run folder, the sync to
     the store, the Flyte checkpoint pointer."""

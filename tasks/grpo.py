@@ -30,6 +30,7 @@ from .common import (
     DatasetDigests,
     RegisteredVersion,
     close_failed_runs,
+    config_change_allowed,
     execution_tags,
     open_run_folder,
     open_train_stage,
@@ -84,7 +85,7 @@ def start_run(config: Config) -> TrackingRun:
 
 
 @task(**CPU_TASK, secret_requests=MLFLOW)
-def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, allow_config_change: bool,
+def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, on_config_change: str,
                     err: FlyteError | None = None) -> None:
     """Failure handler of ``grpo``: the MLflow runs it left open are marked FAILED."""
     load_secrets(MLFLOW)
@@ -212,12 +213,12 @@ class ParquetTrajectories(Callback):
       interruptible=True, retries=3, timeout=TIMEOUTS["train"], enable_deck=False)
 @user_errors
 def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame, prompts_digest: str,
-          model_dir: FlyteDirectory, checkpoint_dir: str, run: TrackingRun, allow_config_change: bool) -> TrainOutputs:
+          model_dir: FlyteDirectory, checkpoint_dir: str, run: TrackingRun, on_config_change: str) -> TrainOutputs:
     """The RL loop as a Ray job, in the run folder ``checkpoint_dir`` (a local folder or an object-store
     URI, kept across executions; default: under this attempt's raw output prefix). Resumes, in order,
     from the run folder a previous attempt of this execution recorded in the Flyte checkpoint, from
     the run folder's latest checkpoint, or starts fresh. A resume with changed objective settings
-    fails closed unless ``allow_config_change`` (the change is then recorded in the run folder)."""
+    fails closed unless ``on_config_change="record"`` (the change is then recorded in the run folder)."""
     load_secrets(HF_MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.train import train as run_training
@@ -231,7 +232,7 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, trajectories), metrics_cb]
     try:
         result = run_training(config, folder.local, resume=resume, prompts=prompts, model_path=model_dir.download(),
-                              callbacks=callbacks, allow_config_change=allow_config_change)
+                              callbacks=callbacks, allow_config_change=config_change_allowed(on_config_change))
     except (ConnectionError, TimeoutError) as exc:  # engine/server faults: worth a retry
         raise FlyteRecoverableException(f"transient failure in training: {exc}") from exc
     except RuntimeError as exc:

@@ -8,7 +8,8 @@ the same code serves a laptop (where Flyte ignores all of it) and any cluster:
   key ``token`` -> ``MLFLOW_TRACKING_TOKEN`` (a server behind auth). A requested secret must exist in
   the project's namespace (``kubectl create secret generic hf --from-literal=token=...``).
 - ``MLFLOW_TRACKING_URI``: when set at registration, every task's environment carries it, so every
-  pod of an execution talks to the same server (``tracking.uri`` in the config overrides it).
+  pod of an execution talks to the same server (``tracking.uri`` in the config overrides it). The
+  registered commit goes along as ``DIFFUSIONRL_GIT_SHA`` (the ``git_sha`` lineage tag).
 - ``DIFFUSIONRL_GPU`` (default ``nvidia-h100``): the accelerator of the GPU tasks (Flyte's
   accelerator names: ``nvidia-h100``, ``nvidia-h200``, ``nvidia-a100``, ``nvidia-l4``, ...).
 - ``DIFFUSIONRL_GPU_NODE_SELECTOR`` (``label=value``, optional): where the Ray GPU pods may run.
@@ -59,8 +60,20 @@ def load_secrets(requested: list[Secret]) -> None:
             os.environ[secret.env_var] = value.strip()
 
 
-# Baked into every task at registration: one tracking server for every pod of an execution.
-ENVIRONMENT = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI",) if os.environ.get(k)}
+def _registration_environment() -> dict[str, str]:
+    """Baked into every task at registration: one tracking server for every pod of an execution, and
+    the commit being registered (a pod runs the code tarball, no repository: the lineage tag
+    ``git_sha`` comes from here)."""
+    from diffusionrl.tracking.runs import git_sha
+
+    env = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI",) if os.environ.get(k)}
+    sha, dirty = git_sha()
+    if sha != "unknown":
+        env.update({"DIFFUSIONRL_GIT_SHA": sha, "DIFFUSIONRL_GIT_DIRTY": str(dirty).lower()})
+    return env
+
+
+ENVIRONMENT = _registration_environment()
 MLFLOW = secrets("mlflow")
 HF_MLFLOW = secrets("hf", "mlflow")
 CPU_TASK = {"container_image": CPU_IMAGE, "environment": ENVIRONMENT}  # the CPU tasks that talk to MLflow

@@ -338,15 +338,18 @@ class Package:
         return self.tasks[f"tasks.grpo.{short}"]
 
 
-def build_package(repo: Path, out: Path, image: str = "ctest.invalid/placeholder:0") -> Package:
-    """``pyflyte --pkgs workflows package --fast`` (offline), extracted and parsed."""
+def build_package(repo: Path, out: Path, **registration_env: str) -> Package:
+    """``make package``'s command (``pyflyte --pkgs workflows --pkgs tasks package --copy all``, offline
+    image names), with ``registration_env`` set as a registering user would (e.g. the MLflow URI that
+    every task's environment then carries), extracted and parsed."""
     from flyteidl.admin import task_pb2, workflow_pb2
 
     out.mkdir(parents=True, exist_ok=True)
     archive = out / "pkg.tgz"
-    env = base_env(out / "home", out / "tmp", PYTHONPATH=str(repo))
-    cmd = [str(VENV_BIN / "pyflyte"), "--pkgs", "workflows", "package", "--image", image, "-o", str(archive),
-           "--force", "--fast"]
+    env = base_env(out / "home", out / "tmp", PYTHONPATH=str(repo), DIFFUSIONRL_IMAGES_OFFLINE="1",
+                   **registration_env)
+    cmd = [str(VENV_BIN / "pyflyte"), "--pkgs", "workflows", "--pkgs", "tasks", "package", "--copy", "all",
+           "--force", "--output", str(archive)]
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"pyflyte package failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -606,6 +609,7 @@ class MiniPropeller:
             "GIT_DIR": str(work / "no-git-repository"),
             "GIT_CEILING_DIRECTORIES": str(self.root),
         })
+        env.update({kv.key: kv.value for kv in tmpl.container.env})  # the task's own `environment=`
         env.update(self.secret_env(tmpl, work / "secrets"))
         return env
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from diffusionrl.callbacks import Callback
 from diffusionrl.config import ConfigError, load_config
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.sglang import (
@@ -269,7 +270,7 @@ def test_training_run_with_sglang_engine(trained):
     assert (result.model_dir / "adapter_model.safetensors").is_file()
 
 
-class KillServerMidRollout:
+class KillServerMidRollout(Callback):
     """After step 1, kill the server (SIGKILL, no cleanup) once step 2's rollout has started."""
 
     def __init__(self):

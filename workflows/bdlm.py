@@ -54,7 +54,7 @@ class BDLMOutputs(NamedTuple):
 
 @workflow(on_failure=on_bdlm_failure)  # marks the execution's open MLflow runs FAILED
 def bdlm(config: BDLMConfig = DEFAULT_BDLM_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "",  # noqa: B006
-         allow_config_change: bool = False) -> BDLMOutputs:
+         on_config_change: str = "fail") -> BDLMOutputs:
     cfg = resolve_bdlm_config(config=config, overrides=overrides)
     run = start_bdlm_run(config=cfg)  # MLflow preflight first
     data = prepare_digits(task_cfg=cfg.task)
@@ -63,7 +63,7 @@ def bdlm(config: BDLMConfig = DEFAULT_BDLM_CONFIG, overrides: list[str] = [], ch
     warm = warm_start_stage(config=cfg, run=run, checkpoint_dir=checkpoint_dir)
     digests.test >> warm
     trained = train_bdlm(config=cfg, run=run, init_model=warm, checkpoint_dir=checkpoint_dir, data_digest=data.digest,
-                         allow_config_change=allow_config_change)
+                         on_config_change=on_config_change)
     ev = evaluate_bdlm(config=cfg, run=run, warm_model=warm, model=trained.model)
     reg = register_bdlm(config=cfg, run=run, model=trained.model, test_digest=digests.test, data_digest=data.digest,
                         eval_summary=ev.summary)

@@ -86,7 +86,7 @@ class GRPOOutputs(NamedTuple):
 
 @workflow(on_failure=on_grpo_failure)  # marks the execution's open MLflow runs FAILED
 def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "",  # noqa: B006
-         allow_config_change: bool = False) -> GRPOOutputs:
+         on_config_change: str = "fail") -> GRPOOutputs:
     cfg = resolve_config(config=config, overrides=overrides)
     run = start_run(config=cfg)  # MLflow preflight: fails before any data or weights are fetched
     prompts = prepare_prompts(data=cfg.data, reward=cfg.reward, fingerprint=fingerprint_prompts(data=cfg.data))
@@ -97,7 +97,7 @@ def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_
                            prompts_digest=prompts.digest, model_digest=model.digest)
     trained = train(config=cfg, train_prompts=prompts.train, test_prompts=prompts.test, prompts_digest=prompts.digest,
                     model_dir=model.model_dir, checkpoint_dir=checkpoint_dir, run=run,
-                    allow_config_change=allow_config_change)
+                    on_config_change=on_config_change)
     digests.test >> trained.run_dir
     ev = evaluate(config=cfg, test_prompts=prompts.test, model_dir=model.model_dir, lora=trained.lora, run=run)
     reg = register(config=cfg, run=run, lora=trained.lora, model_dir=model.model_dir, model_digest=model.digest,

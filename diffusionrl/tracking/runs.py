@@ -40,7 +40,9 @@ class TrackingRun:
 
 
 def git_sha() -> tuple[str, bool]:
-    """(commit, dirty) of the code this process runs; ``$DIFFUSIONRL_GIT_SHA`` in built images."""
+    """(commit, dirty) of the code this process runs. Where the code is no repository (a pod runs the
+    fast-registration tarball), ``$DIFFUSIONRL_GIT_SHA`` / ``$DIFFUSIONRL_GIT_DIRTY``, which
+    registration puts into every task's environment (``tasks/resources.py``)."""
     try:
         sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
@@ -48,7 +50,7 @@ def git_sha() -> tuple[str, bool]:
                                 capture_output=True, text=True, timeout=10, check=True).stdout
         return sha, bool(status.strip())
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("DIFFUSIONRL_GIT_SHA", "unknown"), False
+        return os.environ.get("DIFFUSIONRL_GIT_SHA", "unknown"), os.environ.get("DIFFUSIONRL_GIT_DIRTY") == "true"
 
 
 def lineage_tags(cfg, execution: dict[str, str]) -> dict[str, str]:
