@@ -8,6 +8,12 @@ reward and base weights, hashed into the ``eval_key`` tag). When the champion wa
 differently, its adapter is re-evaluated on this run's evaluation first; a champion on other base
 weights cannot be compared and is kept. The decision and both scores are recorded as version tags.
 
+A version whose MLflow run is ``FAILED`` (its execution failed after registering, or was killed and
+closed for a missing heartbeat: ``tracking.heartbeat``) is never a champion: the decision passes
+over it to the champion before it (its ``champion_before`` tag, and so on back), compares with
+that one and moves ``@champion`` off the failed version; ``show`` lists no champion then
+(``champion_ignored`` says why).
+
     python -m diffusionrl.registry show [--name NAME] [--tracking-uri URI]
 
 prints one JSON object: ``name``, ``champion`` and ``versions`` (each with ``version``,
@@ -28,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from diffusionrl.tracking import LINEAGE_KEYS, TrackingRun, client, resolve_uri, run_url
+from diffusionrl.tracking import LINEAGE_KEYS, Heartbeat, TrackingRun, client, fail_stale_runs, resolve_uri, run_url
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +157,53 @@ def current_champion(c, name: str):
         return None
 
 
+def run_state(c, mv) -> tuple[str, str]:
+    """(status of the version's MLflow run, why it cannot be champion: "" unless that run FAILED)."""
+    run_id = (mv.tags or {}).get("run_id") or mv.run_id
+    if not run_id:
+        return "", ""
+    try:
+        run = c.get_run(run_id)
+    except Exception:  # a run the store no longer has: nothing says it failed
+        return "", ""
+    if run.info.status != "FAILED":
+        return run.info.status, ""
+    failure = " ".join(run.data.tags.get("failure", "").split())[:300]
+    return "FAILED", f"v{mv.version}: its run {run_id} FAILED" + (f" ({failure})" if failure else "")
+
+
+def close_if_stale(c, run: TrackingRun, mv) -> None:
+    """A champion whose run is still RUNNING in another experiment: close that experiment's runs of
+    killed executions first (``start_workflow_run`` did it for this run's experiment)."""
+    run_id = ((mv.tags or {}).get("run_id") or mv.run_id) if mv is not None else ""
+    try:
+        other = c.get_run(run_id) if run_id else None
+        if other is not None and other.info.status == "RUNNING" and other.info.experiment_id != run.experiment_id:
+            fail_stale_runs(run.uri, other.info.experiment_id, run.execution_id)
+    except Exception as exc:  # housekeeping: the decision then sees the run as it is
+        log.warning("could not check the champion's run %s for a heartbeat: %s", run_id, exc)
+
+
+def valid_champion(c, name: str):
+    """(the champion whose run did not fail, or None; why each version passed over was) -- from the
+    ``@champion`` version back along the ``champion_before`` tags."""
+    passed_over: list[str] = []
+    seen: set[str] = set()
+    mv = current_champion(c, name)
+    while mv is not None and str(mv.version) not in seen:
+        seen.add(str(mv.version))
+        _, why = run_state(c, mv)
+        if not why:
+            return mv, passed_over
+        passed_over.append(why)
+        before = (mv.tags or {}).get("champion_before", "")
+        try:
+            mv = c.get_model_version(name, before) if before else None
+        except Exception:  # a deleted version
+            mv = None
+    return None, passed_over
+
+
 def decide(score: float, champion_score: float | None, margin: float) -> tuple[bool, str]:
     if champion_score is None:
         return True, "promoted: first comparable version (no champion yet)"
@@ -174,7 +227,10 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
     margin = cfg.eval.champion_margin
     c = client(run.uri)
     mlflow.set_registry_uri(run.uri)
-    champion = current_champion(c, name)
+    alive = Heartbeat(run.uri, [run.run_id])
+    alive()  # this run is alive (and set back to RUNNING if it was taken for dead)
+    close_if_stale(c, run, current_champion(c, name))
+    champion, passed_over = valid_champion(c, name)
     base_tags = {**lineage, "eval_score": repr(score), "eval_key": key, "run_id": run.run_id}
     mv = mlflow.register_model(model_info.model_uri, name, tags=base_tags)
     c.set_registered_model_alias(name, CANDIDATE, mv.version)
@@ -188,6 +244,7 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
             with tempfile.TemporaryDirectory() as tmp:
                 local = Path(download_artifacts(f"models:/{name}/{champion.version}", dst_path=tmp))
                 champion_score = float(rescore(local))
+            alive(force=True)
             note = f" (champion v{champion.version} re-evaluated on this run's evaluation)"
         else:
             note = (f"not comparable: champion v{champion.version} was trained on other base weights "
@@ -197,17 +254,22 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
     else:
         promoted, decision = decide(score, champion_score, margin)
         decision += note
+    if passed_over:
+        decision += f"; passed over {'; '.join(passed_over)}"
     tags = {
         "decision": decision,
         "promoted": str(promoted).lower(),
-        "champion_before": champion.version if champion is not None else "",
+        "champion_before": str(champion.version) if champion is not None else "",
         "champion_score_compared": repr(champion_score) if champion_score is not None else "",
         "champion_margin": repr(margin),
+        **({"champion_passed_over": "; ".join(passed_over)[:5000]} if passed_over else {}),
     }
     for k, v in tags.items():
         c.set_model_version_tag(name, mv.version, k, v)
     if promoted:
         c.set_registered_model_alias(name, CHAMPION, mv.version)
+    elif passed_over and champion is not None:  # @champion is on a failed run's version: back to the valid one
+        c.set_registered_model_alias(name, CHAMPION, champion.version)
     log.info("registered %s v%s: %s", name, mv.version, decision)
     after = current_champion(c, name)
     aliases = [CANDIDATE] + ([CHAMPION] if promoted else [])
@@ -218,8 +280,8 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
         promoted=promoted,
         decision=decision,
         score=score,
-        champion_version=after.version if after is not None else "",
-        previous_champion=champion.version if champion is not None else "",
+        champion_version=str(after.version) if after is not None else "",
+        previous_champion=str(champion.version) if champion is not None else "",
         previous_champion_score=champion_score if champion_score is not None else float("nan"),
         model_uri=f"models:/{name}/{mv.version}",
         run_url=run_url(run),
@@ -274,21 +336,31 @@ def show(uri: str, name: str | None = None) -> dict:
     aliases: dict[str, list[str]] = {}
     for alias, version in (model.aliases or {}).items():
         aliases.setdefault(str(version), []).append(alias)
-    versions = []
+    versions, ignored = [], None
     for mv in sorted(c.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
         tags = mv.tags or {}
         score = tags.get("eval_score")
-        versions.append({
+        status, failed = run_state(c, mv)
+        held = sorted(aliases.get(str(mv.version), []))
+        entry = {
             "version": str(mv.version),
-            "aliases": sorted(aliases.get(str(mv.version), [])),
+            "aliases": [a for a in held if not (failed and a == CHAMPION)],
             "eval_score": float(score) if score else None,
             "run_id": mv.run_id,
+            "run_status": status,
             **{k: tags.get(k) for k in LINEAGE_KEYS},
             "decision": tags.get("decision"),
             "source": mv.source,
-        })
+        }
+        if failed and CHAMPION in held:  # a failed run's version is never shown as champion
+            entry["ignored_aliases"] = [CHAMPION]
+            ignored = failed
+        versions.append(entry)
     champion = next((v["version"] for v in versions if CHAMPION in v["aliases"]), None)
-    return {"name": name, "tracking_uri": uri, "champion": champion, "versions": versions}
+    out = {"name": name, "tracking_uri": uri, "champion": champion, "versions": versions}
+    if ignored:
+        out["champion_ignored"] = f"@{CHAMPION} is on {ignored}; the next registration moves it"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,11 @@ Written with pyarrow, readable with plain pandas (``pd.read_parquet(dir)``). The
 is stored in the file's key-value metadata (``diffusionrl.schema_version``) and in a column.
 ``read_trajectories`` loads files back into ``Trajectory`` objects for offline re-scoring or
 analysis when the latents (and conditioning) were stored.
+
+Every page carries a CRC32 checksum (``write_parquet``) and the readers verify it
+(``read_parquet``): a file damaged in storage fails with one line naming it (``CorruptParquetFile``)
+instead of giving altered latents. Files written before the checksums still read (nothing to verify).
+Plain pandas verifies too when asked: ``pd.read_parquet(dir, page_checksum_verification=True)``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,44 @@ import torch
 from diffusionrl.trajectory import Conditioning, Trajectory
 
 SCHEMA_VERSION = 1
+
+
+class CorruptParquetFile(ValueError):
+    """A step file cannot be read back intact (failed page checksum, truncated or damaged file)."""
+
+
+def write_parquet(table: pa.Table, path: str | Path) -> Path:
+    """Write ``table`` to ``path`` atomically (a temporary file, then a rename), every page checksummed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp, write_page_checksum=True)
+    tmp.replace(path)
+    return path
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step number of a ``step-XXXXXX.parquet`` file name (None for other names)."""
+    stem = Path(path).name.removesuffix(".parquet")
+    return int(stem[5:]) if stem.startswith("step-") and stem[5:].isdigit() else None
+
+
+def read_parquet(path: str | Path) -> pa.Table:
+    """Read a whole file, verifying the page checksums it has; damage raises ``CorruptParquetFile``
+    (one line: the file, its step, what pyarrow found)."""
+    try:
+        return pq.read_table(path, page_checksum_verification=True)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except (OSError, pa.ArrowException) as exc:  # CRC mismatch, bad footer or thrift, truncated, decompression
+        step = step_of(path)
+        where = f" (step {step})" if step is not None else ""
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise CorruptParquetFile(
+            f"{path}{where} is corrupted and cannot be read: {reason}; restore it from a copy or move it "
+            "out of the folder"
+        ) from None
+
 
 BASE_COLUMNS = [
     "schema_version",  # int32
@@ -114,13 +157,8 @@ def trajectory_table(
 def write_step(directory: str | Path, traj: Trajectory, *, run_id: str, step: int, images: bool = True,
                latents: bool = False) -> Path:
     """Write ``step-XXXXXX.parquet`` atomically; returns its path."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step-{step:06d}.parquet"
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(trajectory_table(traj, run_id=run_id, step=step, images=images, latents=latents), tmp)
-    tmp.replace(path)
-    return path
+    table = trajectory_table(traj, run_id=run_id, step=step, images=images, latents=latents)
+    return write_parquet(table, Path(directory) / f"step-{step:06d}.parquet")
 
 
 def list_step_files(directory: str | Path) -> list[Path]:
@@ -135,7 +173,7 @@ def _tensor(rows, shapes) -> torch.Tensor:
 
 def read_trajectory(path: str | Path) -> Trajectory:
     """One step file back into a ``Trajectory`` (needs the optional latent/embedding columns)."""
-    table = pq.read_table(path)
+    table = read_parquet(path)
     version = int((table.schema.metadata or {}).get(b"diffusionrl.schema_version", b"0"))
     if version != SCHEMA_VERSION:
         raise ValueError(f"{path}: trajectory schema version {version}, this reader knows {SCHEMA_VERSION}")

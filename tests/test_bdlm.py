@@ -29,6 +29,9 @@ from diffusionrl.bdlm.sampler import commit_mask, current_block
 from diffusionrl.bdlm.task import Example, encode_prompts, score, solve
 from diffusionrl.bdlm.warmstart import masked_diffusion_loss
 from diffusionrl.training.trainer import UpdateStats
+from diffusionrl.trajectory_store import CorruptParquetFile
+
+from .test_trajectory_store import flip_mid_column
 
 # A small model and task so every test runs in well under a second.
 SMALL = ["model.dim=32", "model.layers=2", "model.heads=2", "model.ff_dim=64", "task.num_train=64", "task.num_test=8"]
@@ -176,6 +179,18 @@ def test_trace_parquet_round_trip(cfg, model, tmp_path):
     pq.write_table(table.replace_schema_metadata(meta), tmp_path / "step-000004.parquet")
     with pytest.raises(ValueError, match="schema version 99"):
         read_trace(tmp_path / "step-000004.parquet")
+
+
+def test_a_corrupted_trace_file_fails_naming_the_file_and_step(cfg, model, tmp_path):
+    from diffusionrl.bdlm import read_traces
+
+    trace = make_trace(cfg, model)
+    path = write_step(tmp_path, trace, run_id="run", step=5)
+    flip_mid_column(path, "log_probs", n=8)
+    with pytest.raises(CorruptParquetFile) as err:
+        read_traces(tmp_path)
+    msg = str(err.value)
+    assert "\n" not in msg and str(path) in msg and "(step 5)" in msg and "checksum" in msg.lower()
 
 
 # -- GRPO objective --------------------------------------------------------------------------------

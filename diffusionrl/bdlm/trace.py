@@ -7,8 +7,9 @@ fails at the producer, not as a silent wrong gradient.
 
 Parquet: one file per RL step (``traces/step-XXXXXX.parquet``), one row per sample, written with
 pyarrow and readable with plain pandas, like the image trajectories: the same reader API
-(``write_step``, ``list_step_files``, ``read_trace``, ``read_traces``) and a schema version in the
-file's key-value metadata (``diffusionrl.trace_schema_version``) and in a column.
+(``write_step``, ``list_step_files``, ``read_trace``, ``read_traces``), a schema version in the
+file's key-value metadata (``diffusionrl.trace_schema_version``) and in a column, and the same page
+checksums (a damaged file fails naming it and its step: ``CorruptParquetFile``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
+
+from diffusionrl.trajectory_store import read_parquet, write_parquet
 
 from .model import VOCAB, Vocab
 
@@ -183,13 +185,7 @@ def trace_table(trace: TraceBatch, *, run_id: str, step: int) -> pa.Table:
 
 def write_step(directory: str | Path, trace: TraceBatch, *, run_id: str, step: int) -> Path:
     """Write ``step-XXXXXX.parquet`` atomically; returns its path."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step-{step:06d}.parquet"
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(trace_table(trace, run_id=run_id, step=step), tmp)
-    tmp.replace(path)
-    return path
+    return write_parquet(trace_table(trace, run_id=run_id, step=step), Path(directory) / f"step-{step:06d}.parquet")
 
 
 def list_step_files(directory: str | Path) -> list[Path]:
@@ -198,7 +194,7 @@ def list_step_files(directory: str | Path) -> list[Path]:
 
 def read_trace(path: str | Path) -> TraceBatch:
     """One step file back into a validated ``TraceBatch``."""
-    table = pq.read_table(path)
+    table = read_parquet(path)
     kv = table.schema.metadata or {}
     if kv.get(b"diffusionrl.kind") != KIND.encode():
         raise ValueError(f"{path} is not a bdlm trace file (diffusionrl.kind is {kv.get(b'diffusionrl.kind')!r})")

@@ -5,7 +5,8 @@ GPUs fill before the next node's. ``colocate``: a single group; bundle ``i`` hol
 ``i`` (``1 - engine_gpu_fraction`` of the GPU) and, for ``i < rollout_engines``, a rollout engine
 (the rest). ``split``: the trainer ranks get one group, the engines another. Without GPUs the
 same layout is built from CPU-only bundles, which is how it is tested on a laptop. Reward actors
-stay outside the groups (plain CPU actors of the reward pool).
+stay outside the groups (plain CPU actors of the reward pool). The groups are checked against the
+cluster before they are created and never waited for without a bound (``diffusionrl.raycluster``).
 """
 
 from __future__ import annotations
@@ -55,22 +56,30 @@ def bundle_resources(train_cfg, use_gpu: bool) -> tuple[list[dict], list[dict]]:
     return trainer, engines
 
 
-def build_placement(train_cfg, use_gpu: bool | None = None, timeout_s: float = 120.0) -> Placement:
-    """Reserve the groups (waits until Ray can place them; fails with the missing resources)."""
+def build_placement(train_cfg, use_gpu: bool | None = None) -> Placement:
+    """Reserve the groups: checked against the cluster first (a layout it can never hold fails at once,
+    naming the resource; an autoscaling cluster is given ``$DIFFUSIONRL_RAY_AUTOSCALE_WAIT_S``), then
+    waited for at most ``$DIFFUSIONRL_RAY_START_TIMEOUT_S`` (``diffusionrl.raycluster``)."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from diffusionrl import raycluster
 
     if use_gpu is None:
         use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
     trainer_bundles, engine_bundles = bundle_resources(train_cfg, use_gpu)
+    what = f"train.world_size={train_cfg.world_size}"
+    if engine_bundles:
+        what += f" + train.rollout_engines={train_cfg.rollout_engines} (placement=split)"
+    admission = raycluster.admit(what, trainer_bundles[0], len(trainer_bundles) + len(engine_bundles),
+                                 "lower train.world_size or train.cpus_per_bundle, or add nodes/GPUs")
     trainer = placement_group(trainer_bundles, strategy="PACK", name="diffusionrl-trainer")
     engine = placement_group(engine_bundles, strategy="PACK", name="diffusionrl-engines") if engine_bundles else trainer
-    for pg, bundles in ((trainer, trainer_bundles), (engine, engine_bundles or trainer_bundles)):
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        if not ready:
-            raise RuntimeError(
-                f"Ray could not place {len(bundles)} bundles of {bundles[0]} within {timeout_s:.0f} s "
-                f"(cluster has {ray.cluster_resources()}); lower train.world_size or train.cpus_per_bundle, "
-                "or add nodes/GPUs"
-            )
+    groups = [trainer] if engine is trainer else [trainer, engine]
+    try:
+        raycluster.started([pg.ready() for pg in groups], admission)
+    except BaseException:
+        for pg in groups:  # a pending group would keep asking the autoscaler for nodes
+            remove_placement_group(pg)
+        raise
     return Placement(train_cfg.placement, use_gpu, trainer, engine, trainer_bundles, engine_bundles)

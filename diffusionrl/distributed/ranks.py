@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from diffusionrl import raycluster
 from diffusionrl.checkpoint import CheckpointState
 
 from .group import node_address_and_port
@@ -59,15 +60,20 @@ class RankGroup:
             )
             for r in range(tc.world_size)
         ]
-        self.infos = ray.get([rank.info.remote() for rank in self.ranks])
+        # The group holds their resources: what is left to wait for is each rank loading its model.
+        loading = raycluster.Admission(f"{tc.world_size} trainer ranks",
+                                       raycluster.seconds(raycluster.START_TIMEOUT_ENV))
+        try:
+            self.infos = raycluster.started([rank.info.remote() for rank in self.ranks], loading)
+        except BaseException:
+            self.close()
+            raise
         if len({i["digest"] for i in self.infos}) != 1:
             raise RuntimeError(f"trainer ranks loaded different base weights: {self.infos}")
         self._digest = self.infos[0]["digest"]
 
     def _all(self, method: str, *args) -> list:
-        import ray
-
-        return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks])
+        return raycluster.get([getattr(rank, method).remote(*args) for rank in self.ranks], f"trainer ranks' {method}")
 
     def digest(self) -> str:
         return self._digest
@@ -77,19 +83,15 @@ class RankGroup:
 
     # -- one step ----------------------------------------------------------------------------------
     def generate(self, prompts, group_ids, seeds, spec, mask, metadata):
-        import ray
-
         tc = self.cfg.train
         shares = assign_blocks(len(prompts), tc.group_size, tc.micro_batch_size, tc.rollout_engines)
         refs = [
             self.ranks[e].rollout.remote(prompts[sl], group_ids[sl], seeds[sl], spec, mask[sl], metadata[sl])
             for e, sl in enumerate(shares)
         ]
-        return cat_trajectories(ray.get(refs))
+        return cat_trajectories(raycluster.get(refs, "rollout on the engine ranks"))
 
     def train_step(self, traj, active: torch.Tensor, step: int) -> dict[str, float]:
-        import ray
-
         tc = self.cfg.train
         plan = grpo_plan(traj, active, tc, step)
         shares = assign_blocks(traj.batch_size, tc.group_size, tc.micro_batch_size, tc.world_size)
@@ -98,7 +100,7 @@ class RankGroup:
             rank.train_step.remote(select_samples(traj, sl), active[sl], plan, sl.start // m, step)
             for rank, sl in zip(self.ranks, shares)
         ]
-        return ray.get(refs)[0]
+        return raycluster.get(refs, f"train step {step} on the trainer ranks")[0]
 
     def push_weights(self, version: int) -> dict[str, float]:
         times = self._all("push_weights", version)[: self.cfg.train.rollout_engines]

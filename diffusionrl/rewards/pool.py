@@ -5,6 +5,11 @@ contiguous shard per actor; shards are scored concurrently and put back in order
 the ``MixtureReward`` of ``reward_cfg.weights`` once. An actor that dies (crash, OOM, ``ray.kill``)
 is replaced and its shard scored again, at most ``max_retries`` times per shard per call.
 ``score_async`` starts a batch and returns a handle, so the caller can work while it is scored.
+
+Nothing waits forever (``diffusionrl.raycluster``): the actors' CPUs are checked against the cluster
+before they are created (``reward.num_actors`` more than it holds fails at once, naming both), the
+start is bounded by ``$DIFFUSIONRL_RAY_START_TIMEOUT_S`` and a batch by ``$DIFFUSIONRL_RAY_TIMEOUT_S``
+(``RayTimeout``, retryable).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import os
 import time
 
 import numpy as np
+
+from diffusionrl import raycluster
 
 from .base import RewardResult, set_reward_threads
 from .mixture import MixtureReward
@@ -113,11 +120,19 @@ class PendingScore:
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError
 
+        timeout_s = raycluster.seconds(raycluster.TIMEOUT_ENV)
+        deadline = time.monotonic() + timeout_s
         while self.refs:
-            (ref,), _ = ray.wait(list(self.refs), num_returns=1)
+            ready, _ = ray.wait(list(self.refs), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise raycluster.RayTimeout(
+                    f"reward scoring: {len(self.refs)} of {len(self.shards)} shards not scored within "
+                    f"{timeout_s:g} s (${raycluster.TIMEOUT_ENV}); a reward actor is stuck or the cluster is "
+                    "overloaded")
+            (ref,) = ready
             k, actor = self.refs.pop(ref)
             try:
-                self.results[k] = ray.get(ref)
+                self.results[k] = ray.get(ref)  # ready: returns at once
             except (RayActorError, ActorUnavailableError) as exc:
                 self.attempts[k] += 1
                 if self.attempts[k] > self.pool.max_retries:
@@ -159,24 +174,36 @@ class RewardActorPool:
         self.threads = int(threads_per_actor or max(1, int(cpus_per_actor)))
         self.max_retries = max_retries
         self.started_ray = ensure_ray(num_cpus=max(1, int(np.ceil(self.num_actors * cpus_per_actor))))
-        self._remote = ray.remote(**reward_actor_options(cpus_per_actor))(_RewardActor)
+        options = reward_actor_options(cpus_per_actor)
+        # Before any actor exists: Ray would queue the ones that do not fit, forever and silently.
+        admission = raycluster.admit(
+            f"reward.num_actors={self.num_actors}", {"CPU": cpus_per_actor}, self.num_actors,
+            "lower reward.num_actors or add nodes",
+            on_nodes_with=REWARD_NODE_RESOURCE if "resources" in options else None)
+        self._remote = ray.remote(**options)(_RewardActor)
         self.actors = [self._new_actor() for _ in range(self.num_actors)]
-        self._wait_ready(range(self.num_actors))  # an unknown reward name fails here, in the actors
+        try:
+            self._wait_ready(range(self.num_actors), admission)  # an unknown reward name fails here, in the actors
+        except BaseException:
+            self.close()
+            raise
         # Each reward's own prompt check (None: it has none), run on each whole batch before it is cut.
         self.prompt_checks = {name: check for name in self.weights if (check := prompt_check(name)) is not None}
 
     def _new_actor(self):
         return self._remote.remote(self.reward_cfg, self.threads)
 
-    def _wait_ready(self, indices) -> None:
-        import ray
-
-        t0 = time.perf_counter()
+    def _wait_ready(self, indices, admission: raycluster.Admission | None = None) -> None:
+        indices = list(indices)
+        if admission is None:  # a restarted actor: its slot was free a moment ago
+            admission = raycluster.Admission(f"{len(indices)} reward actor(s)",
+                                             raycluster.seconds(raycluster.START_TIMEOUT_ENV))
         try:
-            ray.get([self.actors[i].ready.remote() for i in indices])
+            raycluster.started([self.actors[i].ready.remote() for i in indices], admission)
+        except (raycluster.RayTimeout, raycluster.RayResourcesUnavailable):
+            raise
         except Exception as exc:  # a reward that cannot be built: say so here, not at the first batch
             raise RuntimeError(f"reward actors for {self.weights} failed to start: {exc}") from exc
-        log.info("%d reward actor(s) ready in %.1f s", len(list(indices)), time.perf_counter() - t0)
 
     def _restart(self, k: int, dead) -> None:
         """Replace actor ``k`` if it is still the ``dead`` handle (another batch may have done it)."""

@@ -12,6 +12,8 @@ from typing import Any
 from diffusionrl.callbacks import Callback
 
 from .artifacts import image_row
+from .heartbeat import Heartbeat
+from .runs import PARENT_TAG
 from .store import client, with_retries
 
 log = logging.getLogger(__name__)
@@ -23,10 +25,13 @@ class MetricLogger(Callback):
     Metrics are buffered and flushed with ``log_batch`` after every step; a failing store is
     retried with backoff, and what still fails stays buffered for the next flush, so an MLflow
     outage never stops or loses the training (``metrics.jsonl`` in the run folder has every step
-    regardless). Steps already in the run (a resumed attempt) are not logged twice.
+    regardless). Steps already in the run (a resumed attempt) are not logged twice. After a
+    successful flush the run and its workflow run get a heartbeat, at most every
+    ``heartbeat_every`` seconds (default ``$DIFFUSIONRL_HEARTBEAT_S``; ``tracking.heartbeat``).
     """
 
-    def __init__(self, uri: str, run_id: str, images_every: int = 0, attempts: int = 5, base_delay_s: float = 0.5):
+    def __init__(self, uri: str, run_id: str, images_every: int = 0, attempts: int = 5, base_delay_s: float = 0.5,
+                 heartbeat_every: float | None = None):
         self.uri = uri
         self.run_id = run_id
         self.images_every = images_every
@@ -34,14 +39,21 @@ class MetricLogger(Callback):
         self.base_delay_s = base_delay_s
         self.buffer: list[Any] = []
         self.failed_flushes = 0
-        self.logged_upto = self._logged_upto()
+        self.logged_upto, parent = self._lookup()
+        self.heartbeat = Heartbeat(uri, [run_id, parent], heartbeat_every)
 
-    def _logged_upto(self) -> int:
+    def _lookup(self) -> tuple[int, str]:
+        """(the last step already logged, the workflow run); unknown is (0, ""): nothing logged yet,
+        heartbeats for this run only. One call to a store that is down, not two."""
+        c = client(self.uri)
         try:
-            history = client(self.uri).get_metric_history(self.run_id, "perf/step_time")
-            return max((m.step for m in history), default=0)
-        except Exception:  # unknown is "nothing logged yet"
-            return 0
+            parent = c.get_run(self.run_id).data.tags.get(PARENT_TAG, "")
+        except Exception:
+            return 0, ""
+        try:
+            return max((m.step for m in c.get_metric_history(self.run_id, "perf/step_time")), default=0), parent
+        except Exception:
+            return 0, parent
 
     def on_step(self, loop, step: int, traj, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -51,7 +63,8 @@ class MetricLogger(Callback):
         now = int(time.time() * 1000)
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()
                         if isinstance(v, (int, float)) and math.isfinite(float(v))]
-        self.flush()
+        if self.flush():  # the store answers: say this execution is alive
+            self.heartbeat()
         images = getattr(traj, "images", None)  # image trajectories have them, text traces do not
         if self.images_every and step % self.images_every == 0 and images is not None:
             row = image_row(images)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .heartbeat import HEARTBEAT_TAG, STAGE_TAG, beat, fail_stale_runs, stamp
 from .store import client, configure_http, ensure_experiment, preflight, resolve_uri, with_retries
 
 log = logging.getLogger(__name__)
 
-STAGE_TAG = "diffusionrl.stage"
 PARENT_TAG = "mlflow.parentRunId"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Lineage tag names (also the keys `python -m diffusionrl.registry show` prints).
@@ -79,7 +79,9 @@ def config_params(cfg) -> dict[str, str]:
 
 
 def start_workflow_run(cfg, execution: dict[str, str], extra_tags: dict[str, str] | None = None) -> TrackingRun:
-    """Preflight, then the workflow run with lineage tags and the flattened config as params."""
+    """Preflight, then the workflow run with lineage tags, a heartbeat and the flattened config as
+    params; then runs of killed executions still ``RUNNING`` in the experiment are closed as
+    ``FAILED`` (``heartbeat.fail_stale_runs``)."""
     from mlflow.entities import Param
 
     uri = resolve_uri(cfg.tracking.uri)
@@ -88,17 +90,22 @@ def start_workflow_run(cfg, execution: dict[str, str], extra_tags: dict[str, str
     exp_id = ensure_experiment(uri, cfg.tracking.experiment)
     c = client(uri)
     name = execution.get("flyte_execution_id", "local")
-    tags = {**lineage_tags(cfg, execution), **(extra_tags or {}), STAGE_TAG: "workflow"}
+    tags = {**lineage_tags(cfg, execution), **(extra_tags or {}), STAGE_TAG: "workflow", HEARTBEAT_TAG: stamp()}
     run = c.create_run(exp_id, tags=tags, run_name=name)
     params = [Param(k, v[:6000]) for k, v in config_params(cfg).items()]
     for i in range(0, len(params), 100):
         c.log_batch(run.info.run_id, params=params[i : i + 100])
     log.info("MLflow run %s in %s (experiment %s)", run.info.run_id, uri, cfg.tracking.experiment)
+    try:
+        fail_stale_runs(uri, exp_id, name)
+    except Exception as exc:  # housekeeping of other executions must not stop this one
+        log.warning("could not look for MLflow runs of killed executions in %s: %s", uri, exc)
     return TrackingRun(uri, exp_id, run.info.run_id, name)
 
 
 def stage_run(run: TrackingRun, stage: str) -> str:
-    """The nested run of ``stage`` (created once; a retried task finds and reuses it)."""
+    """The nested run of ``stage`` (created once; a retried task finds and reuses it); the stage
+    and the workflow run get a heartbeat."""
     c = client(run.uri)
     found = c.search_runs(
         [run.experiment_id],
@@ -106,12 +113,19 @@ def stage_run(run: TrackingRun, stage: str) -> str:
         max_results=1,
     )
     if found:
-        c.update_run(found[0].info.run_id, status="RUNNING")
-        return found[0].info.run_id
-    parent = c.get_run(run.run_id)
-    tags = {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.") or k == "mlflow.source.git.commit"}
-    tags.update({PARENT_TAG: run.run_id, STAGE_TAG: stage})
-    return c.create_run(run.experiment_id, tags=tags, run_name=stage).info.run_id
+        stage_id = found[0].info.run_id
+        c.update_run(stage_id, status="RUNNING")
+    else:
+        parent = c.get_run(run.run_id)
+        tags = {k: v for k, v in parent.data.tags.items()
+                if not k.startswith("mlflow.") or k == "mlflow.source.git.commit"}
+        tags.update({PARENT_TAG: run.run_id, STAGE_TAG: stage, HEARTBEAT_TAG: stamp()})
+        stage_id = c.create_run(run.experiment_id, tags=tags, run_name=stage).info.run_id
+    try:
+        beat(run.uri, [run.run_id, stage_id])
+    except Exception as exc:  # the stage itself is what matters here
+        log.warning("MLflow heartbeat of the %s stage not sent: %s", stage, exc)
+    return stage_id
 
 
 def set_tags(run: TrackingRun, tags: dict[str, str], also: list[str] = ()) -> None:
