@@ -50,6 +50,7 @@ from .resources import (
     HF_MLFLOW,
     MLFLOW,
     RAY_CONFIG,
+    RAY_ENVIRONMENT,
     TIMEOUTS,
     load_secrets,
     secrets,
@@ -209,7 +210,7 @@ class ParquetTrajectories(Callback):
         write_step(self.traj_dir, batch, run_id=self.run_id, step=step, images=True, latents=self.latents)
 
 
-@task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, environment=ENVIRONMENT, secret_requests=HF_MLFLOW,
+@task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, environment=RAY_ENVIRONMENT, secret_requests=HF_MLFLOW,
       interruptible=True, retries=3, timeout=TIMEOUTS["train"], enable_deck=False)
 @user_errors
 def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFrame, prompts_digest: str,

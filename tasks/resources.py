@@ -131,6 +131,10 @@ def ray_pod_template(container: str, resources: dict[str, str], gpu: bool) -> Po
     return PodTemplate(pod_spec=spec, primary_container_name=container)
 
 
+# The train task's cluster autoscales (train-gpu workers): a request beyond its nodes waits for them
+# (bounded by DIFFUSIONRL_RAY_AUTOSCALE_WAIT_S, diffusionrl/raycluster.py) instead of failing at once.
+RAY_ENVIRONMENT = {**ENVIRONMENT, "DIFFUSIONRL_RAY_AUTOSCALING": "1"}
+
 RAY_CONFIG = RayJobConfig(
     head_node_config=HeadNodeConfig(
         ray_start_params={"num-cpus": GPU_NODE["cpu"], "num-gpus": GPU_NODE["nvidia.com/gpu"], "log-color": "False"},
