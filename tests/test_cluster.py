@@ -275,8 +275,8 @@ def test_dag_completes(execution, token):
     _require_dag(execution)
     assert all(r.ok for r in execution.nodes.values())
     assert {r.task.split(".")[-1] for r in execution.nodes.values()} == {
-        "resolve_config", "start_run", "prepare_prompts", "fetch_checkpoint", "track_inputs", "train",
-        "evaluate", "register", "report"}
+        "resolve_config", "start_run", "fingerprint_prompts", "prepare_prompts", "fetch_checkpoint", "track_inputs",
+        "train", "evaluate", "register", "report"}
     assert all(len(r.attempts) == 1 for r in execution.nodes.values()), "a node needed a retry"
     # The tasks ran the packaged code (the fast-registration tarball), not this checkout, and the
     # secret reaches flytekit's secrets manager in a pod.
@@ -294,7 +294,7 @@ def test_registry_has_the_version_with_its_lineage(execution, services, propelle
     from diffusionrl.tracking.runs import LINEAGE_KEYS
 
     registered = ch.msgpack_value(execution.outputs["registered"])
-    client = MlflowClient(services["mlflow_url"])
+    client = MlflowClient(services["mlflow_url"], registry_uri=services["mlflow_url"])
     mv = client.get_model_version(registered["name"], registered["version"])
     tags = mv.tags or {}
     required = ("flyte_execution_id", "git_sha", "dataset_digest", "base_model_digest", "config_digest")
@@ -358,7 +358,7 @@ def test_registered_model_references_only_shared_storage(execution, services, pr
 
     store = services["store"]
     registered = ch.msgpack_value(execution.outputs["registered"])
-    mv = MlflowClient(services["mlflow_url"]).get_model_version(registered["name"], registered["version"])
+    mv = MlflowClient(services["mlflow_url"], registry_uri=services["mlflow_url"]).get_model_version(registered["name"], registered["version"])
     model_id = getattr(mv, "model_id", None) or ""
     mlmodels = [k for k in store.keys(store.uri("mlflow")) if k.endswith("/MLmodel") and model_id in k]
     assert mlmodels, f"no MLmodel of version {mv.version} ({mv.source}) in the object store"
