@@ -358,7 +358,8 @@ def test_registered_model_references_only_shared_storage(execution, services, pr
 
     store = services["store"]
     registered = ch.msgpack_value(execution.outputs["registered"])
-    mv = MlflowClient(services["mlflow_url"], registry_uri=services["mlflow_url"]).get_model_version(registered["name"], registered["version"])
+    client = MlflowClient(services["mlflow_url"], registry_uri=services["mlflow_url"])
+    mv = client.get_model_version(registered["name"], registered["version"])
     model_id = getattr(mv, "model_id", None) or ""
     mlmodels = [k for k in store.keys(store.uri("mlflow")) if k.endswith("/MLmodel") and model_id in k]
     assert mlmodels, f"no MLmodel of version {mv.version} ({mv.source}) in the object store"
