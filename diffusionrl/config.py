@@ -70,8 +70,9 @@ class SamplingConfig:
     num_steps: int = option(10, "Denoising steps T of a rollout")
     guidance_scale: float = option(4.5, "Classifier-free guidance scale g (1.0 = no CFG pass)")
     negative_prompt: str = option("", "Negative prompt used for CFG")
-    sde_type: str = option("sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode")
-    noise_level: float = option(0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps)")
+    sde_type: str = option("sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode | dance "
+                           "(DanceGRPO: constant noise g = noise_level)")
+    noise_level: float = option(0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps, eta = 0.3 for dance)")
     step_strategy: str = option("all", "Which steps are stochastic: all | sde_window | epoch_random_choice")
     num_sde_steps: int = option(2, "Number of SDE steps for sde_window / epoch_random_choice")
     window_range: list[int] = option([0, 5], "[lo, hi): the SDE window lies inside these step indices")
@@ -92,7 +93,7 @@ class SamplingConfig:
     sglang_max_restarts: int = option(3, "sglang engine: server restarts (then a batch retry) allowed per run")
 
     def __post_init__(self) -> None:
-        check_choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode"))
+        check_choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode", "dance"))
         check_choice("sampling", "step_strategy", self.step_strategy, ("all", "sde_window", "epoch_random_choice"))
         check_choice("sampling", "ode_solver", self.ode_solver, ("euler", "heun"))
         check_choice("sampling", "engine", self.engine, ("local", "sglang"))
@@ -323,7 +324,7 @@ class Config(ConfigTree):
     def __post_init__(self) -> None:
         if self.algorithm.name == "flow_grpo" and self.sampling.sde_type == "ode":
             raise ConfigError(
-                "algorithm.name=flow_grpo needs stochastic rollouts: set sampling.sde_type to sde or cps "
+                "algorithm.name=flow_grpo needs stochastic rollouts: set sampling.sde_type to sde, cps or dance "
                 "(ode has no log-probs to train on)"
             )
         if self.algorithm.name == "nft" and self.algorithm.nft_adv_clip > self.algorithm.adv_clip_max:
