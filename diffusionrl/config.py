@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from diffusionrl.config_objectives import ALGORITHMS, ObjectiveOptions, check_objective_fit
 from diffusionrl.configtree import (
     ConfigError,
     ConfigTree,
@@ -139,8 +140,8 @@ class SamplingConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    name: str = option("flow_grpo", "Policy update: flow_grpo | nft")
+class AlgorithmConfig(ObjectiveOptions):  # the objective-specific keys: diffusionrl/config_objectives.py
+    name: str = option("flow_grpo", "Policy update: flow_grpo | nft | grpo_guard | dppo")
     clip_range: float = option(1e-4, "PPO ratio clip epsilon (log-probs are per-element means, hence tiny)")
     kl_beta: float = option(0.04, "Weight of the KL term against the LoRA-disabled reference (0 skips it)")
     adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
@@ -153,7 +154,8 @@ class AlgorithmConfig:
     old_policy_cap: float = option(0.5, "DiffusionNFT maximum old-policy eta")
 
     def __post_init__(self) -> None:
-        check_choice("algorithm", "name", self.name, ("flow_grpo", "nft"))
+        check_choice("algorithm", "name", self.name, ALGORITHMS)
+        self.check_objective_options()
         check_positive("algorithm", "clip_range", self.clip_range)
         check_positive("algorithm", "kl_beta", self.kl_beta, allow_zero=True)
         check_positive("algorithm", "adv_clip_max", self.adv_clip_max)
@@ -335,6 +337,7 @@ class Config(ConfigTree):
                 f"advantages are already clamped to +-{ac.adv_clip_max}, so DiffusionNFT's r would never leave "
                 f"[{lo:g}, {1 - lo:g}]; set nft_adv_clip <= adv_clip_max (the reference uses 5 for both)"
             )
+        check_objective_fit(self)
         if self.train.mixed_precision != "no" and self.model.device == "cpu":
             raise ConfigError(
                 f"train.mixed_precision={self.train.mixed_precision} needs a GPU; set it to 'no' on CPU"

@@ -135,6 +135,20 @@ SD35M_PICKSCORE_NFT: dict[str, Any] = {
 # from .venv-sglang (`make sglang-env`); LoRA pushed as merged weights, checksum-verified.
 TINY_CPU_SGLANG: dict[str, Any] = {"sampling": {"engine": "sglang", "sglang_verify_weights": True}}
 
+# Over TINY_CPU: Flow-GRPO on DanceGRPO's SDE (constant noise g = eta, DanceGRPO's eta 0.3).
+TINY_CPU_DANCE: dict[str, Any] = {"sampling": {"sde_type": "dance", "noise_level": 0.3}}
+
+# Over TINY_CPU: GRPO-Guard (RatioNorm + 1/|dt| reweighting) on tiny-cpu's Flow-SDE rollouts, without the
+# heavy KL it is meant to make unnecessary (docs/algorithms.md section 14.2).
+TINY_CPU_GRPO_GUARD: dict[str, Any] = {"algorithm": {"name": "grpo_guard", "kl_beta": 0.0}}
+
+# Over TINY_CPU: Flow-DPPO, the x-based trust region at its authors' threshold, no reference KL, and two
+# optimizer steps per rollout so that the trust region has an old policy to hold the second one to.
+TINY_CPU_DPPO: dict[str, Any] = {
+    "algorithm": {"name": "dppo", "kl_beta": 0.0, "dppo_kl_space": "x", "dppo_kl_threshold": 1e-6},
+    "train": {"minibatches": 2},
+}
+
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu": (TINY_CPU,),
@@ -143,6 +157,9 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "sd35m-ocr": (SD35M_GPU, SD35M_OCR),
     "tiny-cpu-nft": (TINY_CPU, TINY_CPU_NFT),
     "sd35m-pickscore-nft": (SD35M_GPU, SD35M_PICKSCORE_NFT),
+    "tiny-cpu-dance": (TINY_CPU, TINY_CPU_DANCE),
+    "tiny-cpu-grpo-guard": (TINY_CPU, TINY_CPU_GRPO_GUARD),
+    "tiny-cpu-dppo": (TINY_CPU, TINY_CPU_DPPO),
 }
 
 

@@ -16,6 +16,8 @@ import importlib
 OBJECTIVES = {
     "flow_grpo": "diffusionrl.training.flow_grpo:FlowGRPOObjective",
     "nft": "diffusionrl.training.nft:NFTObjective",
+    "grpo_guard": "diffusionrl.training.grpo_guard:GRPOGuardObjective",
+    "dppo": "diffusionrl.training.dppo:DPPOObjective",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -53,6 +54,17 @@ class LoraPolicy:
             raise KeyError(f"LoRA state mismatch: {len(missing)} missing, {len(unknown)} unknown tensors")
         for name, value in state.items():
             self.params[name].copy_(value)
+
+    @contextlib.contextmanager
+    def swapped(self, state: dict[str, torch.Tensor]):
+        """Inside: the network carries the LoRA tensors ``state`` (exact copies; use under ``no_grad``
+        and before any forward whose graph is still needed), the live ones copied back on exit."""
+        live = self.lora_state()
+        self.load_lora_state(state)
+        try:
+            yield
+        finally:
+            self.load_lora_state(live)
 
     def engine_copy(self) -> torch.nn.Module:
         """A separate copy of the wrapped transformer for an in-process rollout engine."""
