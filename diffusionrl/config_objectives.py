@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from diffusionrl.configtree import ConfigError, check_choice, check_positive, option
 
 # algorithm.name -> objective (training/objective.py OBJECTIVES holds the classes)
-ALGORITHMS = ("flow_grpo", "nft", "grpo_guard", "dppo")
+ALGORITHMS = ("flow_grpo", "nft", "grpo_guard", "dppo", "awm", "dpo")
 # Objectives that recompute the per-step log-probs of SDE rollouts (the others re-noise ODE samples).
 SDE_OBJECTIVES = ("flow_grpo", "grpo_guard", "dppo")
 # Rollout dynamics with an exact Gaussian log-density (GRPO-Guard's ratio normalisation needs one).
@@ -24,7 +24,7 @@ EXACT_SDE_TYPES = ("sde", "dance")
 class ObjectiveOptions:
     kl_space: str = option(
         "auto", "Space of the KL to the reference (weight kl_beta): x = the step Gaussians' term of section 5 "
-        "(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for flow_grpo/grpo_guard/dppo, v for nft"
+        "(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for flow_grpo/grpo_guard/dppo, v for nft/awm"
     )
     guard_ratio_norm: bool = option(
         True, "GRPO-Guard RatioNorm: ratio = exp(step_std * (log_ratio + |mean - mean_old|^2 / (2 step_std^2)))"
@@ -38,11 +38,18 @@ class ObjectiveOptions:
         "x", "Flow-DPPO trust-region divergence: x = exact KL of the step Gaussians (mean over elements) | "
         "v = mean |v - v_old|^2"
     )
+    dpo_beta: float = option(5000.0, "Online Diffusion-DPO temperature beta (Diffusion-DPO's value)")
+    dpo_pairs: str = option(
+        "best_worst", "Online Diffusion-DPO pairs per prompt group: best_worst (highest vs lowest reward) | all "
+        "(every positive-advantage sample vs every negative-advantage one)"
+    )
 
     def check_objective_options(self) -> None:
         check_choice("algorithm", "kl_space", self.kl_space, ("auto", "x", "v"))
         check_choice("algorithm", "dppo_kl_space", self.dppo_kl_space, ("x", "v"))
+        check_choice("algorithm", "dpo_pairs", self.dpo_pairs, ("best_worst", "all"))
         check_positive("algorithm", "dppo_kl_threshold", self.dppo_kl_threshold, allow_zero=True)
+        check_positive("algorithm", "dpo_beta", self.dpo_beta)
         name = getattr(self, "name", "")
         if self.kl_space == "x" and name not in SDE_OBJECTIVES:
             raise ConfigError(

@@ -149,6 +149,21 @@ TINY_CPU_DPPO: dict[str, Any] = {
     "train": {"minibatches": 2},
 }
 
+# Over TINY_CPU: Advantage Weighted Matching on CFG-free ODE rollouts (the trained velocity is the one
+# sampled), a small velocity-space KL as in AWM's recipes.
+TINY_CPU_AWM: dict[str, Any] = {
+    "algorithm": {"name": "awm", "kl_beta": 0.001, "kl_space": "v"},
+    "sampling": {"guidance_scale": 1.0},
+    "eval": {"guidance_scale": 1.0},
+}
+
+# Over TINY_CPU: online Diffusion-DPO, best-vs-worst pairs of each prompt group, CFG-free ODE rollouts.
+TINY_CPU_DPO: dict[str, Any] = {
+    "algorithm": {"name": "dpo", "kl_beta": 0.0, "dpo_pairs": "best_worst"},
+    "sampling": {"guidance_scale": 1.0},
+    "eval": {"guidance_scale": 1.0},
+}
+
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu": (TINY_CPU,),
@@ -160,6 +175,8 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-dance": (TINY_CPU, TINY_CPU_DANCE),
     "tiny-cpu-grpo-guard": (TINY_CPU, TINY_CPU_GRPO_GUARD),
     "tiny-cpu-dppo": (TINY_CPU, TINY_CPU_DPPO),
+    "tiny-cpu-awm": (TINY_CPU, TINY_CPU_AWM),
+    "tiny-cpu-dpo": (TINY_CPU, TINY_CPU_DPO),
 }
 
 

@@ -18,6 +18,8 @@ OBJECTIVES = {
     "nft": "diffusionrl.training.nft:NFTObjective",
     "grpo_guard": "diffusionrl.training.grpo_guard:GRPOGuardObjective",
     "dppo": "diffusionrl.training.dppo:DPPOObjective",
+    "awm": "diffusionrl.training.awm:AWMObjective",
+    "dpo": "diffusionrl.training.dpo:DPOObjective",
 }
 
 
