@@ -68,6 +68,7 @@ class ModelConfig:
 @dataclass
 class SamplingConfig:
     resolution: int = option(64, "Image height and width in pixels (a multiple of 16)")
+    eval_resolution: int = option(0, "Evaluation and registered-model image size (0 = resolution): train lower")
     num_steps: int = option(10, "Denoising steps T of a rollout")
     guidance_scale: float = option(4.5, "Classifier-free guidance scale g (1.0 = no CFG pass)")
     negative_prompt: str = option("", "Negative prompt used for CFG")
@@ -105,6 +106,8 @@ class SamplingConfig:
         check_positive("sampling", "sglang_max_restarts", self.sglang_max_restarts, allow_zero=True)
         if self.resolution <= 0 or self.resolution % 16:
             raise ConfigError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
+        if self.eval_resolution < 0 or self.eval_resolution % 16:
+            raise ConfigError(f"sampling.eval_resolution={self.eval_resolution} must be 0 or a multiple of 16")
         if self.num_steps < 2:
             raise ConfigError(f"sampling.num_steps={self.num_steps} must be >= 2")
         check_positive("sampling", "guidance_scale", self.guidance_scale)
