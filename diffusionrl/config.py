@@ -144,7 +144,7 @@ class SamplingConfig:
 
 @dataclass
 class AlgorithmConfig(ObjectiveOptions):  # the objective-specific keys: diffusionrl/config_objectives.py
-    name: str = option("flow_grpo", "Policy update: flow_grpo | nft | grpo_guard | dppo | awm | dpo")
+    name: str = option("flow_grpo", "Policy update: flow_grpo | nft | grpo_guard | dppo | awm | dpo | sft")
     clip_range: float = option(1e-4, "PPO ratio clip epsilon (log-probs are per-element means, hence tiny)")
     kl_beta: float = option(0.04, "Weight of the KL term against the LoRA-disabled reference (0 skips it)")
     adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")

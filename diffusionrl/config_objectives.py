@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from diffusionrl.configtree import ConfigError, check_choice, check_positive, option
 
 # algorithm.name -> objective (training/objective.py OBJECTIVES holds the classes)
-ALGORITHMS = ("flow_grpo", "nft", "grpo_guard", "dppo", "awm", "dpo")
+ALGORITHMS = ("flow_grpo", "nft", "grpo_guard", "dppo", "awm", "dpo", "sft")
 # Objectives that recompute the per-step log-probs of SDE rollouts (the others re-noise ODE samples).
 SDE_OBJECTIVES = ("flow_grpo", "grpo_guard", "dppo")
 # Rollout dynamics with an exact Gaussian log-density (GRPO-Guard's ratio normalisation needs one).
@@ -24,7 +24,7 @@ EXACT_SDE_TYPES = ("sde", "dance")
 class ObjectiveOptions:
     kl_space: str = option(
         "auto", "Space of the KL to the reference (weight kl_beta): x = the step Gaussians' term of section 5 "
-        "(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for flow_grpo/grpo_guard/dppo, v for nft/awm"
+        "(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for flow_grpo/grpo_guard/dppo, v otherwise"
     )
     guard_ratio_norm: bool = option(
         True, "GRPO-Guard RatioNorm: ratio = exp(step_std * (log_ratio + |mean - mean_old|^2 / (2 step_std^2)))"
@@ -43,6 +43,11 @@ class ObjectiveOptions:
         "best_worst", "Online Diffusion-DPO pairs per prompt group: best_worst (highest vs lowest reward) | all "
         "(every positive-advantage sample vs every negative-advantage one)"
     )
+    sft_source: str = option(
+        "", "SFT (prompt, image) pairs: a folder of images with prompts.jsonl/metadata.jsonl, a .parquet with "
+        "prompt and image-bytes columns, or builtin:shapes[:N] (diffusionrl/data_sft.py)"
+    )
+    init_lora: str = option("", "peft LoRA folder the policy starts from (e.g. an SFT run's lora/); '' = fresh init")
 
     def check_objective_options(self) -> None:
         check_choice("algorithm", "kl_space", self.kl_space, ("auto", "x", "v"))
@@ -51,6 +56,8 @@ class ObjectiveOptions:
         check_positive("algorithm", "dppo_kl_threshold", self.dppo_kl_threshold, allow_zero=True)
         check_positive("algorithm", "dpo_beta", self.dpo_beta)
         name = getattr(self, "name", "")
+        if name == "sft" and not self.sft_source.strip():
+            raise ConfigError("algorithm.name=sft needs algorithm.sft_source (a folder, a .parquet or builtin:shapes)")
         if self.kl_space == "x" and name not in SDE_OBJECTIVES:
             raise ConfigError(
                 f"algorithm.kl_space=x needs the step Gaussians of SDE rollouts; {name} re-noises clean samples "
@@ -79,6 +86,8 @@ def check_objective_fit(cfg) -> None:
             f"algorithm.name={name} needs stochastic rollouts: set sampling.sde_type to sde, dance or cps "
             "(ode has no log-probs to train on)"
         )
+    if cfg.train.world_size > 1 and (cfg.algorithm.init_lora or name == "sft"):
+        raise ConfigError("algorithm.init_lora and algorithm.name=sft run in one process: set train.world_size=1")
     if name in SDE_OBJECTIVES and sc.engine == "sglang" and sc.sde_type == "dance":
         raise ConfigError(
             "sampling.sde_type=dance is not available with sampling.engine=sglang (the server samples sde or cps); "

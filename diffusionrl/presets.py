@@ -164,6 +164,13 @@ TINY_CPU_DPO: dict[str, Any] = {
     "eval": {"guidance_scale": 1.0},
 }
 
+# Over TINY_CPU: supervised fine-tuning (the warm start before RL) on built-in pictures of shapes.
+TINY_CPU_SFT: dict[str, Any] = {
+    "algorithm": {"name": "sft", "sft_source": "builtin:shapes:256"},
+    "train": {"learning_rate": 1e-3},
+    "eval": {"guidance_scale": 1.0},
+}
+
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu": (TINY_CPU,),
@@ -177,6 +184,7 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-dppo": (TINY_CPU, TINY_CPU_DPPO),
     "tiny-cpu-awm": (TINY_CPU, TINY_CPU_AWM),
     "tiny-cpu-dpo": (TINY_CPU, TINY_CPU_DPO),
+    "tiny-cpu-sft": (TINY_CPU, TINY_CPU_SFT),
 }
 
 

@@ -20,6 +20,7 @@ OBJECTIVES = {
     "dppo": "diffusionrl.training.dppo:DPPOObjective",
     "awm": "diffusionrl.training.awm:AWMObjective",
     "dpo": "diffusionrl.training.dpo:DPOObjective",
+    "sft": "diffusionrl.training.sft:SFTObjective",  # driven by training.sft.SFTBackend, not ImageBackend
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -65,6 +66,27 @@ class LoraPolicy:
             yield
         finally:
             self.load_lora_state(live)
+
+    @torch.no_grad()
+    def load_adapter_folder(self, folder: str | Path) -> None:
+        """Start from a saved peft LoRA (``adapter_model.safetensors``, e.g. an SFT run's ``lora/``);
+        its tensors must be exactly this policy's (same rank, alpha-independent shapes, targets)."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = Path(folder) / "adapter_model.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"algorithm.init_lora={folder}: no adapter_model.safetensors there")
+        state = load_file(str(path))
+        expected = get_peft_model_state_dict(self.model)
+        missing, unknown = set(expected) - set(state), set(state) - set(expected)
+        bad = [k for k in set(state) & set(expected) if state[k].shape != expected[k].shape]
+        if missing or unknown or bad:
+            raise ValueError(
+                f"algorithm.init_lora={folder} does not fit this LoRA (model.lora_rank/targets): {len(missing)} "
+                f"missing, {len(unknown)} unknown, {len(bad)} mis-shaped tensors, e.g. {sorted(missing | unknown)[:2]}"
+            )
+        set_peft_model_state_dict(self.model, state)
 
     def engine_copy(self) -> torch.nn.Module:
         """A separate copy of the wrapped transformer for an in-process rollout engine."""
