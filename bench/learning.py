@@ -3,9 +3,12 @@
 Prints {"reward_first": ..., "reward_last3": ..., "gain_in_std": ..., "wall_s": ...}: the mean
 reward of the first step and of the last 3 steps, their difference in units of the first step's
 reward std, and the wall time. With ``--compare flow_grpo,nft`` each algorithm runs under the same
-wall-time budget (``--budget-s``) and the result is {"flow_grpo": {...}, "nft": {...}}.
+wall-time budget (``--budget-s``) with its own preset (``tiny-cpu-<name>``, ``tiny-cpu`` for
+flow_grpo; ``dance`` is Flow-GRPO on ``tiny-cpu-dance``) and the result is
+{"flow_grpo": {...}, "nft": {...}}.
 
-    python bench/learning.py [--steps N] [--budget-s S] [--compare flow_grpo,nft] [--set key=value ...]
+    python bench/learning.py [--steps N] [--budget-s S] [--compare flow_grpo,grpo_guard,dppo,awm,dpo,nft]
+                             [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import time
 import _common  # sets sys.path and offline env
 import numpy as np
 
-from diffusionrl.config import load_config
+from diffusionrl.config import PRESETS, load_config
+from diffusionrl.config_objectives import ALGORITHMS
 from diffusionrl.train import build_loop
 
 
@@ -32,13 +36,21 @@ class Budget:
         return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
 
 
+def preset_for(name: str | None) -> str:
+    """The preset a compared name runs with: ``tiny-cpu-<name>`` where there is one, else ``tiny-cpu``."""
+    preset = f"tiny-cpu-{(name or '').replace('_', '-')}"
+    return preset if preset in PRESETS else "tiny-cpu"
+
+
 def run(algorithm: str | None, steps: int | None, budget_s: float | None, overrides: list[str]) -> dict:
     extra = ["reward.weights={jpeg_compressibility: 1.0}", "train.checkpoint_every=0", "train.log_images_every=0"]
-    if algorithm:
+    if algorithm in ALGORITHMS:
         extra.append(f"algorithm.name={algorithm}")
+    elif algorithm and preset_for(algorithm) == "tiny-cpu":
+        raise SystemExit(f"--compare: {algorithm!r} is neither an algorithm ({', '.join(ALGORITHMS)}) nor a preset")
     if steps:
         extra.append(f"train.steps={steps}")
-    cfg = load_config("tiny-cpu-nft" if algorithm == "nft" else "tiny-cpu", overrides=extra + overrides)
+    cfg = load_config(preset_for(algorithm), overrides=extra + overrides)
     budget = Budget(budget_s)
     with tempfile.TemporaryDirectory() as tmp:
         loop = build_loop(cfg, tmp, progress=False)
@@ -65,7 +77,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=None, help="default: the preset's train.steps")
     ap.add_argument("--budget-s", type=float, default=None, help="wall-time budget per algorithm")
-    ap.add_argument("--compare", default=None, help="comma-separated algorithms, e.g. flow_grpo,nft")
+    ap.add_argument("--compare", default=None, help="comma-separated algorithms, e.g. flow_grpo,grpo_guard,dppo,"
+                    "awm,dpo,nft (or dance)")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
     if args.compare:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from diffusionrl.config_objectives import ALGORITHMS, ObjectiveOptions, check_objective_fit
 from diffusionrl.configtree import (
     ConfigError,
     ConfigTree,
@@ -70,11 +71,13 @@ class ModelConfig:
 @dataclass
 class SamplingConfig:
     resolution: int = option(64, "Image height and width in pixels (a multiple of 16)")
+    eval_resolution: int = option(0, "Evaluation and registered-model image size (0 = resolution): train lower")
     num_steps: int = option(10, "Denoising steps T of a rollout")
     guidance_scale: float = option(4.5, "Classifier-free guidance scale g (1.0 = no CFG pass)")
     negative_prompt: str = option("", "Negative prompt used for CFG")
-    sde_type: str = option("sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode")
-    noise_level: float = option(0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps)")
+    sde_type: str = option("sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode | dance "
+                           "(DanceGRPO: constant noise g = noise_level)")
+    noise_level: float = option(0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps, eta = 0.3 for dance)")
     step_strategy: str = option("all", "Which steps are stochastic: all | sde_window | epoch_random_choice")
     num_sde_steps: int = option(2, "Number of SDE steps for sde_window / epoch_random_choice")
     window_range: list[int] = option([0, 5], "[lo, hi): the SDE window lies inside these step indices")
@@ -95,7 +98,7 @@ class SamplingConfig:
     sglang_max_restarts: int = option(3, "sglang engine: server restarts (then a batch retry) allowed per run")
 
     def __post_init__(self) -> None:
-        check_choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode"))
+        check_choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode", "dance"))
         check_choice("sampling", "step_strategy", self.step_strategy, ("all", "sde_window", "epoch_random_choice"))
         check_choice("sampling", "ode_solver", self.ode_solver, ("euler", "heun"))
         check_choice("sampling", "engine", self.engine, ("local", "sglang"))
@@ -106,6 +109,8 @@ class SamplingConfig:
         check_positive("sampling", "sglang_max_restarts", self.sglang_max_restarts, allow_zero=True)
         if self.resolution <= 0 or self.resolution % 16:
             raise ConfigError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
+        if self.eval_resolution < 0 or self.eval_resolution % 16:
+            raise ConfigError(f"sampling.eval_resolution={self.eval_resolution} must be 0 or a multiple of 16")
         if self.num_steps < 2:
             raise ConfigError(f"sampling.num_steps={self.num_steps} must be >= 2")
         check_positive("sampling", "guidance_scale", self.guidance_scale)
@@ -141,8 +146,8 @@ class SamplingConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    name: str = option("flow_grpo", "Policy update: flow_grpo | nft")
+class AlgorithmConfig(ObjectiveOptions):  # the objective-specific keys: diffusionrl/config_objectives.py
+    name: str = option("flow_grpo", "Policy update: flow_grpo | nft | grpo_guard | dppo | awm | dpo | sft")
     clip_range: float = option(1e-4, "PPO ratio clip epsilon (log-probs are per-element means, hence tiny)")
     kl_beta: float = option(0.04, "Weight of the KL term against the LoRA-disabled reference (0 skips it)")
     adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
@@ -155,7 +160,8 @@ class AlgorithmConfig:
     old_policy_cap: float = option(0.5, "DiffusionNFT maximum old-policy eta")
 
     def __post_init__(self) -> None:
-        check_choice("algorithm", "name", self.name, ("flow_grpo", "nft"))
+        check_choice("algorithm", "name", self.name, ALGORITHMS)
+        self.check_objective_options()
         check_positive("algorithm", "clip_range", self.clip_range)
         check_positive("algorithm", "kl_beta", self.kl_beta, allow_zero=True)
         check_positive("algorithm", "adv_clip_max", self.adv_clip_max)
@@ -330,7 +336,7 @@ class Config(ConfigTree):
         self.check_numbers()
         if self.algorithm.name == "flow_grpo" and self.sampling.sde_type == "ode":
             raise ConfigError(
-                "algorithm.name=flow_grpo needs stochastic rollouts: set sampling.sde_type to sde or cps "
+                "algorithm.name=flow_grpo needs stochastic rollouts: set sampling.sde_type to sde, cps or dance "
                 "(ode has no log-probs to train on)"
             )
         if self.algorithm.name == "nft" and self.algorithm.nft_adv_clip > self.algorithm.adv_clip_max:
@@ -341,6 +347,7 @@ class Config(ConfigTree):
                 f"advantages are already clamped to +-{ac.adv_clip_max}, so DiffusionNFT's r would never leave "
                 f"[{lo:g}, {1 - lo:g}]; set nft_adv_clip <= adv_clip_max (the reference uses 5 for both)"
             )
+        check_objective_fit(self)
         if self.train.mixed_precision != "no" and self.model.device == "cpu":
             raise ConfigError(
                 f"train.mixed_precision={self.train.mixed_precision} needs a GPU; set it to 'no' on CPU"

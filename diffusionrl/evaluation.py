@@ -26,9 +26,15 @@ class EvalResult:
     tuned_images: np.ndarray
 
 
+def eval_resolution(cfg: Config) -> int:
+    """The evaluation image size: ``sampling.eval_resolution``, else the training ``sampling.resolution``."""
+    return cfg.sampling.eval_resolution or cfg.sampling.resolution
+
+
 def eval_spec(cfg: Config) -> SamplingSpec:
     return SamplingSpec.from_config(
-        cfg, sde_type="ode", num_steps=cfg.eval.num_steps, guidance_scale=cfg.eval.guidance_scale
+        cfg, sde_type="ode", num_steps=cfg.eval.num_steps, guidance_scale=cfg.eval.guidance_scale,
+        resolution=eval_resolution(cfg),
     )
 
 

@@ -135,6 +135,42 @@ SD35M_PICKSCORE_NFT: dict[str, Any] = {
 # from .venv-sglang (`make sglang-env`); LoRA pushed as merged weights, checksum-verified.
 TINY_CPU_SGLANG: dict[str, Any] = {"sampling": {"engine": "sglang", "sglang_verify_weights": True}}
 
+# Over TINY_CPU: Flow-GRPO on DanceGRPO's SDE (constant noise g = eta, DanceGRPO's eta 0.3).
+TINY_CPU_DANCE: dict[str, Any] = {"sampling": {"sde_type": "dance", "noise_level": 0.3}}
+
+# Over TINY_CPU: GRPO-Guard (RatioNorm + 1/|dt| reweighting) on tiny-cpu's Flow-SDE rollouts, without the
+# heavy KL it is meant to make unnecessary (docs/algorithms.md section 14.2).
+TINY_CPU_GRPO_GUARD: dict[str, Any] = {"algorithm": {"name": "grpo_guard", "kl_beta": 0.0}}
+
+# Over TINY_CPU: Flow-DPPO, the x-based trust region at its authors' threshold, no reference KL, and two
+# optimizer steps per rollout so that the trust region has an old policy to hold the second one to.
+TINY_CPU_DPPO: dict[str, Any] = {
+    "algorithm": {"name": "dppo", "kl_beta": 0.0, "dppo_kl_space": "x", "dppo_kl_threshold": 1e-6},
+    "train": {"minibatches": 2},
+}
+
+# Over TINY_CPU: Advantage Weighted Matching on CFG-free ODE rollouts (the trained velocity is the one
+# sampled), a small velocity-space KL as in AWM's recipes.
+TINY_CPU_AWM: dict[str, Any] = {
+    "algorithm": {"name": "awm", "kl_beta": 0.001, "kl_space": "v"},
+    "sampling": {"guidance_scale": 1.0},
+    "eval": {"guidance_scale": 1.0},
+}
+
+# Over TINY_CPU: online Diffusion-DPO, best-vs-worst pairs of each prompt group, CFG-free ODE rollouts.
+TINY_CPU_DPO: dict[str, Any] = {
+    "algorithm": {"name": "dpo", "kl_beta": 0.0, "dpo_pairs": "best_worst"},
+    "sampling": {"guidance_scale": 1.0},
+    "eval": {"guidance_scale": 1.0},
+}
+
+# Over TINY_CPU: supervised fine-tuning (the warm start before RL) on built-in pictures of shapes.
+TINY_CPU_SFT: dict[str, Any] = {
+    "algorithm": {"name": "sft", "sft_source": "builtin:shapes:256"},
+    "train": {"learning_rate": 1e-3},
+    "eval": {"guidance_scale": 1.0},
+}
+
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu": (TINY_CPU,),
@@ -143,6 +179,12 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "sd35m-ocr": (SD35M_GPU, SD35M_OCR),
     "tiny-cpu-nft": (TINY_CPU, TINY_CPU_NFT),
     "sd35m-pickscore-nft": (SD35M_GPU, SD35M_PICKSCORE_NFT),
+    "tiny-cpu-dance": (TINY_CPU, TINY_CPU_DANCE),
+    "tiny-cpu-grpo-guard": (TINY_CPU, TINY_CPU_GRPO_GUARD),
+    "tiny-cpu-dppo": (TINY_CPU, TINY_CPU_DPPO),
+    "tiny-cpu-awm": (TINY_CPU, TINY_CPU_AWM),
+    "tiny-cpu-dpo": (TINY_CPU, TINY_CPU_DPO),
+    "tiny-cpu-sft": (TINY_CPU, TINY_CPU_SFT),
 }
 
 

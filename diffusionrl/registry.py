@@ -72,7 +72,7 @@ def eval_key(cfg, test_digest: str, base_model_digest: str) -> str:
     what = {
         "test_prompts": test_digest,
         "eval": {k: v for k, v in vars(cfg.eval).items() if k != "champion_margin"},
-        "resolution": cfg.sampling.resolution,
+        "resolution": cfg.sampling.eval_resolution or cfg.sampling.resolution,  # evaluation.eval_resolution
         "negative_prompt": cfg.sampling.negative_prompt,
         "ode_solver": cfg.sampling.ode_solver,
         "reward": dict(sorted(cfg.reward.weights.items())),
@@ -107,7 +107,7 @@ def model_signature(cfg):
     from mlflow.types import DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import ColSpec
 
-    res = cfg.sampling.resolution
+    res = cfg.sampling.eval_resolution or cfg.sampling.resolution  # evaluation.eval_resolution
     return ModelSignature(
         inputs=Schema([ColSpec(type=DataType.string, name="prompt")]),
         outputs=Schema([ColSpec(type=DataType.binary, name="image")]),

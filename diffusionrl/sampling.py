@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-SDE_TYPES = ("sde", "cps", "ode")
+SDE_TYPES = ("sde", "cps", "ode", "dance")
 
 
 @dataclass
@@ -26,6 +26,7 @@ class StepOutput:
     log_prob: torch.Tensor  # [B] float32: mean over (C, H, W) of the Gaussian log-density
     mean: torch.Tensor  # [B, C, H, W] float32: mean of x_next given x
     std: torch.Tensor  # [B] float32: noise std without the sqrt(-dt) factor (used by the KL term)
+    step_std: torch.Tensor | None = None  # [B] float32: std of x_next given x (sde/dance: std sqrt(-dt); cps: std)
 
 
 def per_sample(value: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -54,6 +55,11 @@ def step_with_logprob(
 ) -> StepOutput:
     """One denoising step from ``sigma`` to ``sigma_next`` and the log-prob of its result.
 
+    ``sde_type``: ``sde`` (Flow-GRPO's SDE, ``g = a sqrt(sigma / (1 - sigma))``), ``dance``
+    (DanceGRPO's SDE, the same reverse-time mean with a constant ``g = a``; DanceGRPO calls it
+    eta), ``cps`` (coefficients-preserving) or ``ode`` (Euler). ``sde`` and ``dance`` give the
+    exact Gaussian log-density (a mean over elements), ``cps`` drops its constants.
+
     Either ``noise`` (rollout: draw ``x_next = mean + std * noise``) or ``x_next`` (training:
     score a recorded transition) must be given for the stochastic types. ``sigma_max`` is
     ``sigmas[1]``, used in place of ``sigma`` when ``sigma == 1`` (avoids ``1 / (1 - 1)``).
@@ -68,12 +74,15 @@ def step_with_logprob(
         mean = x + v * dt
         out = mean if x_next is None else x_next.float()
         zeros = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-        return StepOutput(out, zeros, mean, zeros)
+        return StepOutput(out, zeros, mean, zeros, zeros)
 
-    if sde_type == "sde":
-        s_max = per_sample(sigma_max if sigma_max is not None else sigma_next, x)
-        s_safe = torch.where(s == 1, s_max, s)
-        std = torch.sqrt(s / (1 - s_safe)) * noise_level  # [B,1,1,1]
+    if sde_type in ("sde", "dance"):
+        if sde_type == "sde":  # Flow-GRPO: g = a sqrt(sigma / (1 - sigma)), sigma_max in place of sigma = 1
+            s_max = per_sample(sigma_max if sigma_max is not None else sigma_next, x)
+            s_safe = torch.where(s == 1, s_max, s)
+            std = torch.sqrt(s / (1 - s_safe)) * noise_level  # [B,1,1,1]
+        else:  # DanceGRPO: a constant diffusion coefficient g = eta (the noise level)
+            std = torch.full_like(s, float(noise_level))
         # The reference's arrangement of mean = x + (v + std^2/(2 sigma) (x + (1 - sigma) v)) dt.
         mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
         step_std = std * torch.sqrt(-dt)
@@ -87,7 +96,7 @@ def step_with_logprob(
             - torch.log(step_std)
             - math.log(math.sqrt(2 * math.pi))
         )
-        return StepOutput(x_next, mean_over_sample(log_prob), mean, std.flatten())
+        return StepOutput(x_next, mean_over_sample(log_prob), mean, std.flatten(), step_std.flatten())
 
     if sde_type == "cps":
         std = s_next * math.sin(noise_level * math.pi / 2)
@@ -101,7 +110,7 @@ def step_with_logprob(
         x_next = x_next.float()
         # Constants dropped as in the reference: -(x_next - mean)^2, a per-element mean.
         log_prob = -((x_next.detach() - mean) ** 2)
-        return StepOutput(x_next, mean_over_sample(log_prob), mean, std.flatten())
+        return StepOutput(x_next, mean_over_sample(log_prob), mean, std.flatten(), std.flatten())
 
     raise ValueError(f"unknown sde_type {sde_type!r}; use one of {SDE_TYPES}")
 

@@ -71,6 +71,8 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
     from diffusionrl.training.backend import ImageBackend
 
     torch.manual_seed(cfg.train.seed)
+    if cfg.algorithm.name == "sft":  # supervised warm start: (prompt, image) pairs, no rollouts or rewards
+        return build_sft_loop(cfg, out_dir, callbacks=callbacks, progress=progress, model_path=model_path)
     if prompts is None:
         prompts = load_prompts(cfg.data, validate=prompt_validator(cfg.reward))
     if cfg.train.world_size > 1:  # the trainer as FSDP2 ranks in Ray actors (docs/scaling.md)
@@ -89,6 +91,31 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
     schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints)
     return RunLoop(backend, out_dir, schedule, cfg.to_dict(), callbacks=callbacks, progress=progress,
                    free_keys=FREE_KEYS)
+
+
+def build_sft_loop(cfg: Config, out_dir: str | Path, *, callbacks: list[Callback] | None = None,
+                   progress: bool | None = None, model_path: str | None = None) -> RunLoop:
+    """A ``RunLoop`` over ``training.sft.SFTBackend`` (``algorithm.name=sft``, docs/algorithms.md 14.7)."""
+    from diffusionrl.data_sft import load_image_pairs
+    from diffusionrl.training.local_worker import LocalPolicyWorker
+    from diffusionrl.training.sft import SFTBackend
+
+    rows = load_image_pairs(cfg.algorithm.sft_source, cfg.sampling.resolution, cfg.data.seed)
+    worker = LocalPolicyWorker(cfg, model_path=model_path, engine_factory=SFTBackend.no_engine)
+    tc = cfg.train
+    schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints,
+                        postfix_metric="train/loss")
+    return RunLoop(SFTBackend(cfg, out_dir, worker, rows), out_dir, schedule, cfg.to_dict(), callbacks=callbacks,
+                   progress=progress)
+
+
+def train_sft(cfg: Config, out_dir: str | Path, source: str | None = None, **kw) -> RunResult:
+    """Supervised warm start for ``cfg``'s model and LoRA on ``source`` (default ``algorithm.sft_source``):
+    runs ``cfg`` with ``algorithm.name=sft``; the RL run then starts from the result with
+    ``algorithm.init_lora=<result.model_dir>``."""
+    data = cfg.to_dict()
+    data["algorithm"].update(name="sft", sft_source=source or cfg.algorithm.sft_source)
+    return train(Config.from_dict(data, where="train_sft"), out_dir, **kw)
 
 
 def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", stop_after: int | None = None,

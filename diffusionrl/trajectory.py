@@ -151,8 +151,8 @@ class Trajectory:
             raise TrajectoryError(f"latents has {self.latents.shape[1]} states per sample, expected T+1 = {t + 1}")
         _check(self.log_probs, "log_probs", shape=(b, t), dtype=torch.float32)
         self.conditioning.validate(b)
-        if self.sde_type not in ("sde", "cps", "ode"):
-            raise TrajectoryError(f"sde_type {self.sde_type!r} is not sde | cps | ode")
+        if self.sde_type not in ("sde", "cps", "ode", "dance"):
+            raise TrajectoryError(f"sde_type {self.sde_type!r} is not sde | cps | ode | dance")
         if self.micro_batch_size <= 0 or b % self.micro_batch_size:
             raise TrajectoryError(f"micro_batch_size {self.micro_batch_size} does not divide the batch of {b}")
         if self.images is not None:

@@ -1,4 +1,4 @@
-"""The SDE/CPS/ODE steps against closed forms, and the step strategies."""
+"""The SDE/Dance/CPS/ODE steps against closed forms, and the step strategies."""
 
 import math
 
@@ -32,6 +32,27 @@ def test_sde_log_prob_is_the_closed_form_gaussian(sigma, sigma_next):
     expected = torch.distributions.Normal(mean, scale).log_prob(out.x_next).mean(dim=(1, 2, 3))
     torch.testing.assert_close(out.log_prob, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.std, torch.full((3,), std), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("sigma,sigma_next", [(1.0, 0.9), (0.6, 0.45), (0.2, 0.0)])
+def test_dance_step_is_the_reverse_sde_with_constant_noise_and_an_exact_gaussian_log_prob(sigma, sigma_next):
+    """DanceGRPO: g = eta for every sigma (also sigma = 1, where sde needs sigma_max); the mean is
+    x + (v - eta^2 / 2 * score) dt with score = -(x + (1 - sigma) v) / sigma."""
+    x, v, eps = _inputs(4)
+    eta = 0.3
+    out = step_with_logprob(v, x, sigma, sigma_next, sde_type="dance", noise_level=eta, noise=eps)
+    dt = sigma_next - sigma
+    x0_hat = x - sigma * v
+    score = -(x - (1 - sigma) * x0_hat) / sigma**2
+    mean = x + (v - 0.5 * eta**2 * score) * dt
+    scale = eta * math.sqrt(-dt)
+    torch.testing.assert_close(out.mean, mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.x_next, mean + scale * eps, rtol=1e-5, atol=1e-6)
+    expected = torch.distributions.Normal(mean.double(), scale).log_prob(out.x_next.double()).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(out.log_prob.double(), expected, rtol=1e-5, atol=1e-5)
+    assert out.std.tolist() == pytest.approx([eta] * 3) and out.step_std.tolist() == pytest.approx([scale] * 3)
+    scored = step_with_logprob(v, x, sigma, sigma_next, sde_type="dance", noise_level=eta, x_next=out.x_next)
+    assert torch.equal(scored.log_prob, out.log_prob)
 
 
 def test_scoring_a_recorded_transition_gives_the_sampled_log_prob():

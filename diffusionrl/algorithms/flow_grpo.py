@@ -29,24 +29,26 @@ def flow_grpo_terms(
     mean_new: torch.Tensor | None = None,
     mean_ref: torch.Tensor | None = None,
     std: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
 ) -> FlowGRPOTerms:
     """Clipped surrogate plus the KL to the reference for N pairs.
 
     ``ratio = exp(new - old)``; ``policy_loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))``;
     ``kl = mean over (C, H, W) of (mean_new - mean_ref)^2 / (2 std^2)`` where ``std`` is the step's
     noise std *without* the sqrt(-dt) factor, as in the reference implementation (a deliberate
-    choice there that weights late, low-noise steps more; kept so results compare).
+    choice there that weights late, low-noise steps more; kept so results compare). A given ``kl``
+    ``[N]`` (another space, ``algorithms.kl``) is used as it is.
     """
     ratio = torch.exp(log_prob_new - log_prob_old)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     policy_loss = torch.maximum(unclipped, clipped)
-    if kl_beta > 0:
+    if kl_beta > 0 and kl is None:
         if mean_new is None or mean_ref is None or std is None:
             raise ValueError("kl_beta > 0 needs mean_new, mean_ref and std")
         diff = (mean_new - mean_ref) ** 2
         kl = diff.mean(dim=tuple(range(1, diff.ndim))) / (2 * std**2)
-    else:
+    elif kl is None:
         kl = torch.zeros_like(policy_loss)
     return FlowGRPOTerms(policy_loss + kl_beta * kl, policy_loss, kl, ratio)
 

@@ -298,6 +298,15 @@ class SD3Adapter:
 
     # -- images ---------------------------------------------------------------------------------
     @torch.no_grad()
+    def encode_images(self, images: np.ndarray) -> torch.Tensor:
+        """uint8 images ``[B, H, W, 3]`` -> clean latents ``[B, C, H/f, W/f]`` float32 (the VAE posterior's
+        mode, shifted and scaled as ``decode`` undoes)."""
+        vae = self.pipe.vae
+        x = torch.as_tensor(np.asarray(images), device=self.device).permute(0, 3, 1, 2).to(vae.dtype) / 127.5 - 1
+        z = vae.encode(x).latent_dist.mode()
+        return ((z.float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor).float()
+
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Clean latents ``[B, C, H, W]`` -> uint8 images ``[B, H*f, W*f, 3]``."""
         vae = self.pipe.vae

@@ -18,7 +18,7 @@ class SamplingSpec:
     resolution: int
     num_steps: int
     guidance_scale: float
-    sde_type: str = "sde"  # sde | cps | ode
+    sde_type: str = "sde"  # sde | cps | ode | dance
     noise_level: float = 0.7
     negative_prompt: str = ""
     max_sequence_length: int = 32

@@ -7,26 +7,62 @@ recomputed log-probs equal the recorded ones bit for bit before the first update
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
 from diffusionrl.algorithms.flow_grpo import flow_grpo_terms, ratio_stats
-from diffusionrl.sampling import step_with_logprob
+from diffusionrl.algorithms.kl import gaussian_kl, velocity_kl
+from diffusionrl.config_objectives import resolved_kl_space
+from diffusionrl.sampling import StepOutput, step_with_logprob
 from diffusionrl.trajectory import Trajectory
 
 from .policy import LoraPolicy
 from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule
 
 
+@dataclass
+class StepEval:
+    """The forwards of one (micro-batch, step) unit: what the per-pair losses are made of."""
+
+    out: StepOutput  # the live policy's step on the recorded transition (gradient through out.mean)
+    v: torch.Tensor  # [m, C, H, W] live velocity
+    dt: torch.Tensor  # [m] sigma_next - sigma (< 0)
+    v_ref: torch.Tensor | None = None  # LoRA disabled (kl_beta > 0), no gradient
+    mean_ref: torch.Tensor | None = None
+    v_old: torch.Tensor | None = None  # the rollout policy's (objectives with needs_old), no gradient
+    mean_old: torch.Tensor | None = None
+
+
+@dataclass
+class PairTerms:
+    """Per-pair ``[m]`` values of one unit; ``extra`` holds logged per-pair statistics (they replace
+    the ratio statistics of the same name)."""
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 class FlowGRPOObjective:
-    """Flow-GRPO on recorded SDE trajectories: one unit per (micro-batch, trained step)."""
+    """Flow-GRPO on recorded SDE trajectories: one unit per (micro-batch, trained step).
+
+    Subclasses (GRPO-Guard, Flow-DPPO) replace ``pair_terms``; with ``needs_old`` every unit also
+    gets the rollout policy's velocity and step mean: the live ones (detached) while the live policy
+    still is the rollout policy, else a forward with the step's starting LoRA copied in.
+    """
 
     name = "flow_grpo"
+    needs_old = False
 
     def __init__(self, cfg, policy: LoraPolicy):
         self.cfg = cfg
         self.policy = policy
         self.adapter = policy.adapter
+        self.kl_space = resolved_kl_space(cfg.algorithm)
+        self.old_state: dict[str, torch.Tensor] | None = None  # set once the live policy has moved in a step
 
     def units(
         self,
@@ -51,32 +87,61 @@ class FlowGRPOObjective:
                 units.append(Unit(float(mask.sum()), self._make(traj, sl, int(j), mask, diff_probe)))
         return units
 
+    def evaluate(self, traj: Trajectory, sl: slice, j: int) -> StepEval:
+        """The live forward of step ``j`` of micro-batch ``sl`` (and the reference / old ones)."""
+        ac = self.cfg.algorithm
+        device = self.adapter.device
+        x = traj.latents[sl, j].to(device)
+        cond = traj.conditioning.select(sl).to(device)
+        sig, sig_next = traj.sigmas[j], traj.sigmas[j + 1]
+        step_kw = dict(sde_type=traj.sde_type, noise_level=traj.noise_level, sigma_max=traj.sigmas[1],
+                       x_next=traj.latents[sl, j + 1].to(device))
+
+        def velocity() -> torch.Tensor:
+            return self.adapter.velocity(self.policy.model, x, traj.timesteps[j], cond, traj.guidance_scale)
+
+        v_old = mean_old = None
+        if self.needs_old and self.old_state is not None:  # before the live forward: its graph must stay intact
+            with torch.no_grad(), self.policy.swapped(self.old_state):
+                v_old = velocity()
+                mean_old = step_with_logprob(v_old, x, sig, sig_next, **step_kw).mean
+        v = velocity()
+        out = step_with_logprob(v, x, sig, sig_next, **step_kw)
+        if self.needs_old and v_old is None:  # the live policy is the rollout policy
+            v_old, mean_old = v.detach(), out.mean.detach()
+        v_ref = mean_ref = None
+        if ac.kl_beta > 0:
+            with torch.no_grad(), self.policy.reference():
+                v_ref = velocity()
+                mean_ref = step_with_logprob(v_ref, x, sig, sig_next, **step_kw).mean
+        dt = torch.full((x.shape[0],), float(sig_next - sig), device=device)
+        return StepEval(out, v, dt, v_ref, mean_ref, v_old, mean_old)
+
+    def reference_kl(self, ev: StepEval) -> torch.Tensor | None:
+        """The KL term to the reference in ``algorithm.kl_space`` (None without a reference)."""
+        if ev.v_ref is None:
+            return None
+        if self.kl_space == "v":
+            return velocity_kl(ev.v, ev.v_ref)
+        return gaussian_kl(ev.out.mean, ev.mean_ref, ev.out.std)  # section 5's term (std without sqrt(-dt))
+
+    def pair_terms(self, ev: StepEval, log_prob_old: torch.Tensor, advantages: torch.Tensor) -> PairTerms:
+        ac = self.cfg.algorithm
+        terms = flow_grpo_terms(ev.out.log_prob, log_prob_old, advantages, clip_range=ac.clip_range,
+                                kl_beta=ac.kl_beta, kl=self.reference_kl(ev))
+        return PairTerms(terms.loss, terms.policy_loss, terms.kl)
+
     def _make(self, traj: Trajectory, sl: slice, j: int, mask: torch.Tensor, diff_probe: dict | None):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            ac = self.cfg.algorithm
             device = self.adapter.device
-            x = traj.latents[sl, j].to(device)
-            x_next = traj.latents[sl, j + 1].to(device)
-            cond = traj.conditioning.select(sl).to(device)
-            sig, sig_next, sig_max = traj.sigmas[j], traj.sigmas[j + 1], traj.sigmas[1]
-            step_kw = dict(sde_type=traj.sde_type, noise_level=traj.noise_level, sigma_max=sig_max, x_next=x_next)
-            v = self.adapter.velocity(self.policy.model, x, traj.timesteps[j], cond, traj.guidance_scale)
-            out = step_with_logprob(v, x, sig, sig_next, **step_kw)
-            mean_ref = None
-            if ac.kl_beta > 0:
-                with torch.no_grad(), self.policy.reference():
-                    v_ref = self.adapter.velocity(self.policy.model, x, traj.timesteps[j], cond, traj.guidance_scale)
-                    mean_ref = step_with_logprob(v_ref, x, sig, sig_next, **step_kw).mean
+            ev = self.evaluate(traj, sl, j)
             old = traj.log_probs[sl, j].to(device)
-            adv = traj.advantages[sl].to(device)
-            terms = flow_grpo_terms(
-                out.log_prob, old, adv, clip_range=ac.clip_range, kl_beta=ac.kl_beta,
-                mean_new=out.mean, mean_ref=mean_ref, std=out.std,
-            )
+            terms = self.pair_terms(ev, old, traj.advantages[sl].to(device))
             m = mask.to(device).float()
-            new_m, old_m = out.log_prob.detach()[m > 0], old[m > 0]
+            new_m, old_m = ev.out.log_prob.detach()[m > 0], old[m > 0]
             # Sums over the unit's active pairs; UpdateStats divides by the total count once.
-            stats = ratio_stats(new_m, old_m, ac.clip_range)
+            stats = ratio_stats(new_m, old_m, self.cfg.algorithm.clip_range)
+            stats.update({k: (value.detach() * m).sum() for k, value in terms.extra.items()})
             stats["policy_loss"] = (terms.policy_loss.detach() * m).sum()
             stats["kl_loss"] = (terms.kl.detach() * m).sum()
             stats["loss"] = (terms.loss.detach() * m).sum()
@@ -112,9 +177,15 @@ class FlowGRPOObjective:
         rng = np.random.default_rng([tc.seed, step, 0x5EED])
         stats = UpdateStats()
         probe = {"open": True}
-        for _epoch, selected in minibatch_schedule(traj, tc, rng):
-            trainer.apply(self.units(traj, selected, active, rng, probe), stats)
-            probe["open"] = False
+        rollout_state = self.policy.lora_state() if self.needs_old else None
+        self.old_state = None
+        try:
+            for _epoch, selected in minibatch_schedule(traj, tc, rng):
+                if trainer.apply(self.units(traj, selected, active, rng, probe), stats) and self.needs_old:
+                    self.old_state = rollout_state  # the live policy has left the rollout policy
+                probe["open"] = False
+        finally:
+            self.old_state = None
         metrics = stats.means()
         if probe.get("count"):
             metrics["train/log_prob_mean_abs_diff"] = probe["sum"] / probe["count"]

@@ -39,6 +39,8 @@ class LocalPolicyWorker:
         model_cfg = dataclasses.replace(cfg.model, name=model_path) if model_path else cfg.model
         self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
         self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
+        if cfg.algorithm.init_lora:  # a warm start (e.g. an SFT run's LoRA), before the optimizer and old copies
+            self.policy.load_adapter_folder(cfg.algorithm.init_lora)
         self.trainer = Trainer(cfg, self.policy)
         self.objective = build_objective(cfg, self.policy)
         self.engine = (engine_factory or make_engine)(cfg, self.adapter, self.policy)

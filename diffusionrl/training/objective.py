@@ -16,6 +16,11 @@ import importlib
 OBJECTIVES = {
     "flow_grpo": "diffusionrl.training.flow_grpo:FlowGRPOObjective",
     "nft": "diffusionrl.training.nft:NFTObjective",
+    "grpo_guard": "diffusionrl.training.grpo_guard:GRPOGuardObjective",
+    "dppo": "diffusionrl.training.dppo:DPPOObjective",
+    "awm": "diffusionrl.training.awm:AWMObjective",
+    "dpo": "diffusionrl.training.dpo:DPOObjective",
+    "sft": "diffusionrl.training.sft:SFTObjective",  # driven by training.sft.SFTBackend, not ImageBackend
 }
 
 

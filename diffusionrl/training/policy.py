@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -53,6 +55,38 @@ class LoraPolicy:
             raise KeyError(f"LoRA state mismatch: {len(missing)} missing, {len(unknown)} unknown tensors")
         for name, value in state.items():
             self.params[name].copy_(value)
+
+    @contextlib.contextmanager
+    def swapped(self, state: dict[str, torch.Tensor]):
+        """Inside: the network carries the LoRA tensors ``state`` (exact copies; use under ``no_grad``
+        and before any forward whose graph is still needed), the live ones copied back on exit."""
+        live = self.lora_state()
+        self.load_lora_state(state)
+        try:
+            yield
+        finally:
+            self.load_lora_state(live)
+
+    @torch.no_grad()
+    def load_adapter_folder(self, folder: str | Path) -> None:
+        """Start from a saved peft LoRA (``adapter_model.safetensors``, e.g. an SFT run's ``lora/``);
+        its tensors must be exactly this policy's (same rank, alpha-independent shapes, targets)."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = Path(folder) / "adapter_model.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"algorithm.init_lora={folder}: no adapter_model.safetensors there")
+        state = load_file(str(path))
+        expected = get_peft_model_state_dict(self.model)
+        missing, unknown = set(expected) - set(state), set(state) - set(expected)
+        bad = [k for k in set(state) & set(expected) if state[k].shape != expected[k].shape]
+        if missing or unknown or bad:
+            raise ValueError(
+                f"algorithm.init_lora={folder} does not fit this LoRA (model.lora_rank/targets): {len(missing)} "
+                f"missing, {len(unknown)} unknown, {len(bad)} mis-shaped tensors, e.g. {sorted(missing | unknown)[:2]}"
+            )
+        set_peft_model_state_dict(self.model, state)
 
     def engine_copy(self) -> torch.nn.Module:
         """A separate copy of the wrapped transformer for an in-process rollout engine."""

@@ -37,6 +37,9 @@ from .weight_sync import NamedTensors, base_transformer_state, lora_layers, merg
 
 log = logging.getLogger(__name__)
 
+# The rollout dynamics the server can sample (protocol.request_body maps ode to sde without SDE steps).
+SERVER_SDE_TYPES = ("sde", "cps", "ode")
+
 
 class SGLangRolloutEngine:
     """Rollouts from an SGLang diffusion server that this engine launches and owns."""
@@ -228,6 +231,12 @@ class SGLangRolloutEngine:
         sde_mask: np.ndarray | torch.Tensor | None = None,
         metadata: list[dict] | None = None,
     ) -> Trajectory:
+        if spec.sde_type not in SERVER_SDE_TYPES:
+            raise NotImplementedError(
+                f"the sglang engine cannot sample sde_type={spec.sde_type!r}: its server's rollout SDEs are "
+                f"{'/'.join(SERVER_SDE_TYPES)} (Dance-SDE's constant-noise dynamics are not one of them); "
+                "use sampling.engine=local"
+            )
         if spec.sde_type == "ode" and spec.ode_solver != "euler":
             raise NotImplementedError(f"the sglang engine samples ODE steps with Euler only, not {spec.ode_solver!r}")
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)

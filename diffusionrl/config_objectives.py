@@ -1,0 +1,95 @@
+"""The objective-specific keys of the ``algorithm`` section and the checks that tie them to the rest.
+
+``ObjectiveOptions`` is a base class of ``diffusionrl.config.AlgorithmConfig``: its fields are
+``algorithm.*`` keys like the others (same YAML, overrides, digest and help), kept in this module so
+that the schema file stays small. The maths of each objective is in ``docs/algorithms.md``
+(section 14 has the table of objectives, their knobs and their tests). This module imports no schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffusionrl.configtree import ConfigError, check_choice, check_positive, option
+
+# algorithm.name -> objective (training/objective.py OBJECTIVES holds the classes)
+ALGORITHMS = ("flow_grpo", "nft", "grpo_guard", "dppo", "awm", "dpo", "sft")
+# Objectives that recompute the per-step log-probs of SDE rollouts (the others re-noise ODE samples).
+SDE_OBJECTIVES = ("flow_grpo", "grpo_guard", "dppo")
+# Rollout dynamics with an exact Gaussian log-density (GRPO-Guard's ratio normalisation needs one).
+EXACT_SDE_TYPES = ("sde", "dance")
+
+
+@dataclass
+class ObjectiveOptions:
+    kl_space: str = option(
+        "auto", "Space of the KL to the reference (weight kl_beta): x = the step Gaussians' term of section 5 "
+        "(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for flow_grpo/grpo_guard/dppo, v otherwise"
+    )
+    guard_ratio_norm: bool = option(
+        True, "GRPO-Guard RatioNorm: ratio = exp(step_std * (log_ratio + |mean - mean_old|^2 / (2 step_std^2)))"
+    )
+    guard_reweight: bool = option(True, "GRPO-Guard gradient reweighting: each step's policy loss divided by |dt|")
+    dppo_kl_threshold: float = option(
+        1e-6, "Flow-DPPO trust region: a pair whose KL(current || old) > this and whose ratio moved in the "
+        "direction of its advantage is masked out of the gradient"
+    )
+    dppo_kl_space: str = option(
+        "x", "Flow-DPPO trust-region divergence: x = exact KL of the step Gaussians (mean over elements) | "
+        "v = mean |v - v_old|^2"
+    )
+    dpo_beta: float = option(5000.0, "Online Diffusion-DPO temperature beta (Diffusion-DPO's value)")
+    dpo_pairs: str = option(
+        "best_worst", "Online Diffusion-DPO pairs per prompt group: best_worst (highest vs lowest reward) | all "
+        "(every positive-advantage sample vs every negative-advantage one)"
+    )
+    sft_source: str = option(
+        "", "SFT (prompt, image) pairs: a folder of images with prompts.jsonl/metadata.jsonl, a .parquet with "
+        "prompt and image-bytes columns, or builtin:shapes[:N] (diffusionrl/data_sft.py)"
+    )
+    init_lora: str = option("", "peft LoRA folder the policy starts from (e.g. an SFT run's lora/); '' = fresh init")
+
+    def check_objective_options(self) -> None:
+        check_choice("algorithm", "kl_space", self.kl_space, ("auto", "x", "v"))
+        check_choice("algorithm", "dppo_kl_space", self.dppo_kl_space, ("x", "v"))
+        check_choice("algorithm", "dpo_pairs", self.dpo_pairs, ("best_worst", "all"))
+        check_positive("algorithm", "dppo_kl_threshold", self.dppo_kl_threshold, allow_zero=True)
+        check_positive("algorithm", "dpo_beta", self.dpo_beta)
+        name = getattr(self, "name", "")
+        if name == "sft" and not self.sft_source.strip():
+            raise ConfigError("algorithm.name=sft needs algorithm.sft_source (a folder, a .parquet or builtin:shapes)")
+        if self.kl_space == "x" and name not in SDE_OBJECTIVES:
+            raise ConfigError(
+                f"algorithm.kl_space=x needs the step Gaussians of SDE rollouts; {name} re-noises clean samples "
+                "and has no step Gaussian: use kl_space=v (or auto)"
+            )
+
+
+def resolved_kl_space(algorithm) -> str:
+    """``algorithm.kl_space`` with ``auto`` resolved for ``algorithm.name``."""
+    if algorithm.kl_space != "auto":
+        return algorithm.kl_space
+    return "x" if algorithm.name in SDE_OBJECTIVES else "v"
+
+
+def check_objective_fit(cfg) -> None:
+    """Checks that tie an objective to the sampling section (called by ``Config.__post_init__``)."""
+    name, sc = cfg.algorithm.name, cfg.sampling
+    if name == "grpo_guard" and sc.sde_type not in EXACT_SDE_TYPES:
+        raise ConfigError(
+            f"algorithm.name=grpo_guard needs rollouts with an exact Gaussian log-prob (sampling.sde_type "
+            f"{' or '.join(EXACT_SDE_TYPES)}): its ratio normalisation adds back |mean - mean_old|^2 / (2 "
+            f"step_std^2), which {sc.sde_type} does not have in its log-prob"
+        )
+    if name in SDE_OBJECTIVES and sc.sde_type == "ode":
+        raise ConfigError(
+            f"algorithm.name={name} needs stochastic rollouts: set sampling.sde_type to sde, dance or cps "
+            "(ode has no log-probs to train on)"
+        )
+    if cfg.train.world_size > 1 and (cfg.algorithm.init_lora or name == "sft"):
+        raise ConfigError("algorithm.init_lora and algorithm.name=sft run in one process: set train.world_size=1")
+    if name in SDE_OBJECTIVES and sc.engine == "sglang" and sc.sde_type == "dance":
+        raise ConfigError(
+            "sampling.sde_type=dance is not available with sampling.engine=sglang (the server samples sde or cps); "
+            "use sampling.engine=local"
+        )

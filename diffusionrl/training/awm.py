@@ -1,0 +1,101 @@
+"""The Advantage Weighted Matching objective (docs/algorithms.md section 14.4) on the shared trainer.
+
+Rollouts are deterministic (ODE) samples of the live policy; only their clean latents ``x0`` are
+used, so the solver does not matter. Each sample is re-noised at T-1 of the rollout's T noise
+levels in a random order, with fresh noise, exactly as DiffusionNFT draws them (``nft.TimestepPlan``:
+per sample, seeded by ``(train.seed, step, inner epoch, sample index)``, independent of the split).
+One work unit per (micro-batch, slot), counted by the micro-batch's active samples; micro-batches
+keep the rollout's composition. No old policy: every update is on the policy that sampled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from diffusionrl.algorithms.awm import awm_terms
+from diffusionrl.algorithms.nft import noisy_latents
+from diffusionrl.trajectory import Trajectory
+
+from .nft import TimestepPlan
+from .policy import LoraPolicy
+from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule
+
+_ORDER_STREAM = 0x41574D  # "AWM": the micro-batch order of a step
+
+
+class AWMObjective:
+    """Advantage-weighted flow matching on the clean latents of ODE rollouts."""
+
+    name = "awm"
+    rollout_sde_type = "ode"  # solver-agnostic: only x0 is used
+
+    def __init__(self, cfg, policy: LoraPolicy):
+        self.cfg = cfg
+        self.policy = policy
+        self.adapter = policy.adapter
+        self.num_train_timesteps = float(self.adapter.scheduler.config.num_train_timesteps)
+
+    def plan(self, traj: Trajectory, step: int, epoch: int) -> TimestepPlan:
+        shape = tuple(traj.latents.shape[2:])
+        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, traj.batch_size, traj.num_steps, shape)
+
+    def units(self, traj: Trajectory, chunks: list[slice], active: torch.Tensor, plan: TimestepPlan) -> list[Unit]:
+        """One unit per (micro-batch, slot); micro-batches without an active sample are skipped."""
+        if traj.advantages is None:
+            raise ValueError("AWM needs scored trajectories: traj.advantages is None")
+        units: list[Unit] = []
+        for sl in chunks:
+            mask = active[sl].to(torch.bool)
+            if not bool(mask.any()):
+                continue
+            for slot in range(plan.slots):
+                units.append(Unit(float(mask.sum()), self._make(traj, sl, slot, mask, plan)))
+        return units
+
+    def noised(self, traj: Trajectory, sl: slice, slot: int, plan: TimestepPlan):
+        """``x0``, ``eps``, ``t`` and ``x_t`` of micro-batch ``sl`` at ``slot`` (on the device)."""
+        device = self.adapter.device
+        x0 = traj.latents[sl, -1].to(device)
+        t = traj.sigmas[torch.as_tensor(plan.indices[sl, slot], dtype=torch.long)].to(device)
+        eps = plan.noise(range(sl.start, sl.stop), slot).to(device)
+        return x0, eps, t, noisy_latents(x0, eps, t)
+
+    def _make(self, traj: Trajectory, sl: slice, slot: int, mask: torch.Tensor, plan: TimestepPlan):
+        def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            ac = self.cfg.algorithm
+            device = self.adapter.device
+            x0, eps, t, x_t = self.noised(traj, sl, slot, plan)
+            cond = traj.conditioning.select(sl).to(device)
+            timestep = t * self.num_train_timesteps
+            v = self.adapter.velocity(self.policy.model, x_t, timestep, cond, traj.guidance_scale)
+            v_ref = None
+            if ac.kl_beta > 0:
+                with torch.no_grad(), self.policy.reference():
+                    v_ref = self.adapter.velocity(self.policy.model, x_t, timestep, cond, traj.guidance_scale)
+            terms = awm_terms(v, x0, eps, traj.advantages[sl].to(device), kl_beta=ac.kl_beta, v_ref=v_ref)
+            m = mask.to(device).float()
+            with torch.no_grad():  # sums over the active samples; the trainer divides by the counts
+                stats = {
+                    "policy_loss": (terms.policy_loss.detach() * m).sum(),
+                    "awm_fm_error": (terms.fm_error.detach() * m).sum(),
+                    "kl_loss": (terms.kl.detach() * m).sum(),
+                    "loss": (terms.loss.detach() * m).sum(),
+                }
+            return (terms.loss * m).sum(), stats
+
+        return compute
+
+    def train_step(self, trainer: Trainer, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
+        """Inner epochs x minibatches optimizer steps; each inner epoch draws fresh timesteps and noises."""
+        tc = self.cfg.train
+        rng = np.random.default_rng([_ORDER_STREAM, tc.seed, step])
+        stats = UpdateStats()
+        plan = None
+        for epoch, selected in minibatch_schedule(traj, tc, rng):
+            if plan is None or plan.epoch != epoch:
+                plan = self.plan(traj, step, epoch)
+            trainer.apply(self.units(traj, selected, active, plan), stats)
+        metrics = stats.means()
+        metrics["train/lr"] = trainer.lr()
+        return metrics
