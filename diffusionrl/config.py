@@ -1,11 +1,12 @@
 """The typed configuration tree of an image run (``Config``) and its loader.
 
-Every default lives here, once. Sections: ``model``, ``sampling``, ``algorithm``, ``reward``,
-``train``, ``eval``, ``data`` and ``tracking``. Each field carries its help text in ``metadata["help"]``.
-Presets are named configurations (``tiny-cpu``, ``sd35m-ocr``, ...; ``diffusionrl.presets``); a
-YAML/JSON file and dotted ``key=value`` overrides are applied on top of a preset (any partial tree
-is laid over the preset its ``preset`` key names). Unknown keys, non-finite numbers and inconsistent
-settings are rejected with a one-line ``ConfigError`` that names the key and says what to change.
+Every default lives once, in its section (``diffusionrl.config_sections``): ``model``, ``sampling``,
+``algorithm``, ``reward``, ``train``, ``eval``, ``data`` and ``tracking``. Each field carries its
+help text in ``metadata["help"]``. Presets are named configurations (``tiny-cpu``, ``sd35m-ocr``,
+...; ``diffusionrl.presets``); a YAML/JSON file and dotted ``key=value`` overrides are applied on
+top of a preset (any partial tree is laid over the preset its ``preset`` key names). Unknown keys,
+non-finite numbers and inconsistent settings are rejected with a one-line ``ConfigError`` that names
+the key and says what to change.
 
 The tree is kept plain (str/int/float/bool/list/dict leaves, no Optional dataclasses) so that it
 travels as a Flyte dataclass input and the Flyte console can show it with its defaults. The generic
@@ -15,20 +16,26 @@ FILE] [--set k=v ...]`` prints the full config as YAML (how ``configs/*.yaml`` a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from diffusionrl.config_objectives import ALGORITHMS, ObjectiveOptions, check_objective_fit
+from diffusionrl.config_objectives import check_objective_fit
+from diffusionrl.config_sections import (  # the sections, re-exported: callers import them from here
+    AlgorithmConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    RewardConfig,
+    SamplingConfig,
+    TrackingConfig,
+    TrainConfig,
+)
 from diffusionrl.configtree import (
     ConfigError,
     ConfigTree,
     apply_overrides,
-    check_choice,
-    check_device,
-    check_positive,
     option,
     read_config_file,
 )
@@ -40,284 +47,6 @@ __all__ = [  # the schema, its loader and CLI, and the machinery callers import 
     "EvalConfig", "ModelConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
     "apply_overrides", "describe", "dump_preset", "get_preset", "load_config", "main", "read_config_file",
 ]
-
-
-@dataclass
-class ModelConfig:
-    name: str = option(
-        "builtin:tiny-sd3", "Model reference: 'builtin:tiny-sd3', a local diffusers folder, or a hub id"
-    )
-    revision: str = option("", "Hub revision (branch, tag or commit); empty for the default branch")
-    dtype: str = option("float32", "Weights dtype of the frozen modules: float32 | float16 | bfloat16")
-    device: str = option("auto", "Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
-    max_sequence_length: int = option(32, "T5 prompt length in tokens (SD3 pipelines default to 256)")
-    lora_rank: int = option(8, "LoRA rank r")
-    lora_alpha: int = option(16, "LoRA alpha (scale = alpha / r)")
-    lora_init: str = option("gaussian", "peft init_lora_weights: gaussian | true (kaiming, B = 0 in both)")
-    lora_targets: list[str] = option(SD3_LORA_TARGETS, "Module name suffixes that get a LoRA adapter")
-    gradient_checkpointing: bool = option(False, "Recompute transformer activations in backward")
-
-    def __post_init__(self) -> None:
-        check_choice("model", "dtype", self.dtype, ("float32", "float16", "bfloat16"))
-        check_choice("model", "lora_init", self.lora_init, ("gaussian", "true"))
-        check_device("model", "device", self.device)
-        check_positive("model", "lora_rank", self.lora_rank)
-        check_positive("model", "lora_alpha", self.lora_alpha)
-        check_positive("model", "max_sequence_length", self.max_sequence_length)
-        if not self.lora_targets:
-            raise ConfigError("model.lora_targets is empty: list at least one module suffix, e.g. 'attn.to_q'")
-
-
-@dataclass
-class SamplingConfig:
-    resolution: int = option(64, "Image height and width in pixels (a multiple of 16)")
-    eval_resolution: int = option(0, "Evaluation and registered-model image size (0 = resolution): train lower")
-    num_steps: int = option(10, "Denoising steps T of a rollout")
-    guidance_scale: float = option(4.5, "Classifier-free guidance scale g (1.0 = no CFG pass)")
-    negative_prompt: str = option("", "Negative prompt used for CFG")
-    sde_type: str = option("sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode | dance "
-                           "(DanceGRPO: constant noise g = noise_level)")
-    noise_level: float = option(0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps, eta = 0.3 for dance)")
-    step_strategy: str = option("all", "Which steps are stochastic: all | sde_window | epoch_random_choice")
-    num_sde_steps: int = option(2, "Number of SDE steps for sde_window / epoch_random_choice")
-    window_range: list[int] = option([0, 5], "[lo, hi): the SDE window lies inside these step indices")
-    candidate_steps: list[int] = option([0, 1, 2, 3, 4, 5, 6, 7, 8], "Steps epoch_random_choice draws from")
-    ode_solver: str = option("euler", "Deterministic solver for NFT rollouts and eval: euler | heun")
-    engine: str = option("local", "Rollout engine: local (in-process diffusers) | sglang (SGLang diffusion server)")
-    sglang_python: str = option(
-        "", "sglang engine: Python interpreter of the SGLang venv ('' = $DIFFUSIONRL_SGLANG_PYTHON, else "
-        "the repo's .venv-sglang/bin/python, else the current interpreter if it imports sglang)"
-    )
-    sglang_port: int = option(0, "sglang engine: HTTP port of the server it launches on 127.0.0.1 (0 = a free port)")
-    sglang_verify_weights: bool = option(
-        False, "sglang engine: after each weight push, check the server's /get_weights_checksum against ours"
-    )
-    sglang_ipc_bucket_mb: int = option(512, "sglang engine: CUDA IPC weight-push bucket size in MiB (colocated GPU "
-                                       "only)")
-    sglang_start_timeout_s: float = option(300.0, "sglang engine: seconds to wait for the server to become healthy")
-    sglang_max_restarts: int = option(3, "sglang engine: server restarts (then a batch retry) allowed per run")
-
-    def __post_init__(self) -> None:
-        check_choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode", "dance"))
-        check_choice("sampling", "step_strategy", self.step_strategy, ("all", "sde_window", "epoch_random_choice"))
-        check_choice("sampling", "ode_solver", self.ode_solver, ("euler", "heun"))
-        check_choice("sampling", "engine", self.engine, ("local", "sglang"))
-        if not 0 <= self.sglang_port <= 65535:
-            raise ConfigError(f"sampling.sglang_port={self.sglang_port} must be in [0, 65535] (0 picks a free port)")
-        check_positive("sampling", "sglang_ipc_bucket_mb", self.sglang_ipc_bucket_mb)
-        check_positive("sampling", "sglang_start_timeout_s", self.sglang_start_timeout_s)
-        check_positive("sampling", "sglang_max_restarts", self.sglang_max_restarts, allow_zero=True)
-        if self.resolution <= 0 or self.resolution % 16:
-            raise ConfigError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
-        if self.eval_resolution < 0 or self.eval_resolution % 16:
-            raise ConfigError(f"sampling.eval_resolution={self.eval_resolution} must be 0 or a multiple of 16")
-        if self.num_steps < 2:
-            raise ConfigError(f"sampling.num_steps={self.num_steps} must be >= 2")
-        check_positive("sampling", "guidance_scale", self.guidance_scale)
-        check_positive("sampling", "noise_level", self.noise_level, allow_zero=True)
-        if self.step_strategy != "all":
-            check_positive("sampling", "num_sde_steps", self.num_sde_steps)
-        if self.step_strategy == "sde_window":
-            if len(self.window_range) != 2:
-                raise ConfigError(f"sampling.window_range={self.window_range} must be [lo, hi)")
-            lo, hi = self.window_range
-            if not 0 <= lo < hi <= self.num_steps - 1:
-                raise ConfigError(
-                    f"sampling.window_range={self.window_range} must satisfy 0 <= lo < hi <= num_steps - 1 "
-                    f"= {self.num_steps - 1} (the last step is never stochastic)"
-                )
-            if hi - lo < self.num_sde_steps:
-                raise ConfigError(
-                    f"sampling.window_range={self.window_range} is narrower than num_sde_steps="
-                    f"{self.num_sde_steps}; widen it to at least [{lo}, {lo + self.num_sde_steps}]"
-                )
-        if self.step_strategy == "epoch_random_choice":
-            bad = [s for s in self.candidate_steps if not 0 <= s < self.num_steps - 1]
-            if bad:
-                raise ConfigError(
-                    f"sampling.candidate_steps has {bad} outside [0, {self.num_steps - 2}] "
-                    "(the last step is never stochastic)"
-                )
-            if len(set(self.candidate_steps)) < self.num_sde_steps:
-                raise ConfigError(
-                    f"sampling.candidate_steps has {len(set(self.candidate_steps))} distinct steps, fewer "
-                    f"than num_sde_steps={self.num_sde_steps}"
-                )
-
-
-@dataclass
-class AlgorithmConfig(ObjectiveOptions):  # the objective-specific keys: diffusionrl/config_objectives.py
-    name: str = option("flow_grpo", "Policy update: flow_grpo | nft | grpo_guard | dppo | awm | dpo | sft")
-    clip_range: float = option(1e-4, "PPO ratio clip epsilon (log-probs are per-element means, hence tiny)")
-    kl_beta: float = option(0.04, "Weight of the KL term against the LoRA-disabled reference (0 skips it)")
-    adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
-    global_std: bool = option(True, "Normalise advantages by the batch std instead of the group std")
-    nft_beta: float = option(1.0, "DiffusionNFT guidance strength b of the implicit positive/negative policies")
-    nft_adv_clip: float = option(5.0, "DiffusionNFT advantage clip c in r = clamp(A, -c, c) / (2c) + 0.5")
-    old_policy_rate: float = option(0.001, "DiffusionNFT old-policy EMA ramp: eta = min(rate * max(step - flat, 0), "
-                                    "cap)")
-    old_policy_flat: int = option(0, "DiffusionNFT steps before the old-policy eta ramp starts")
-    old_policy_cap: float = option(0.5, "DiffusionNFT maximum old-policy eta")
-
-    def __post_init__(self) -> None:
-        check_choice("algorithm", "name", self.name, ALGORITHMS)
-        self.check_objective_options()
-        check_positive("algorithm", "clip_range", self.clip_range)
-        check_positive("algorithm", "kl_beta", self.kl_beta, allow_zero=True)
-        check_positive("algorithm", "adv_clip_max", self.adv_clip_max)
-        check_positive("algorithm", "nft_beta", self.nft_beta)
-        check_positive("algorithm", "nft_adv_clip", self.nft_adv_clip)
-        if not 0 <= self.old_policy_cap < 1:
-            raise ConfigError(f"algorithm.old_policy_cap={self.old_policy_cap} must be in [0, 1)")
-        check_positive("algorithm", "old_policy_rate", self.old_policy_rate, allow_zero=True)
-        check_positive("algorithm", "old_policy_flat", self.old_policy_flat, allow_zero=True)
-
-
-@dataclass
-class RewardConfig:
-    weights: dict[str, float] = option({"jpeg_compressibility": 1.0}, "Reward name -> weight of a weighted sum")
-    num_actors: int = option(0, "Ray CPU actors scoring rewards (0 scores in-process)")
-    ocr_backend: str = option("rapidocr", "OCR backend: rapidocr | paddleocr")
-    ocr_model_dir: str = option("", "PaddleOCR: folder holding det/ and rec/ model folders")
-    ocr_threads: int = option(0, "onnxruntime intra-op threads per OCR engine (0: the backend's default)")
-    pickscore_processor: str = option("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "PickScore processor id or folder")
-    pickscore_model: str = option("yuvalkirstain/PickScore_v1", "PickScore model id or folder")
-
-    def __post_init__(self) -> None:
-        if not self.weights:
-            raise ConfigError("reward.weights is empty: give at least one reward, e.g. {jpeg_compressibility: 1.0}")
-        check_choice("reward", "ocr_backend", self.ocr_backend, ("rapidocr", "paddleocr"))
-        check_positive("reward", "num_actors", self.num_actors, allow_zero=True)
-
-
-@dataclass
-class TrainConfig:
-    steps: int = option(40, "Number of RL steps (rollout + update)")
-    prompts_per_step: int = option(4, "Distinct prompts (groups) sampled per step")
-    group_size: int = option(8, "Samples per prompt k")
-    micro_batch_size: int = option(8, "Samples per forward pass; sampling and training use the same batches")
-    inner_epochs: int = option(1, "Passes over each rollout batch (log_prob_old stays the rollout's)")
-    minibatches: int = option(1, "Optimizer steps per inner epoch (the batch is split into this many)")
-    learning_rate: float = option(3e-4, "AdamW learning rate")
-    adam_beta1: float = option(0.9, "AdamW beta1")
-    adam_beta2: float = option(0.999, "AdamW beta2")
-    weight_decay: float = option(1e-4, "AdamW weight decay")
-    max_grad_norm: float = option(1.0, "Gradient clipping norm (0 disables)")
-    mixed_precision: str = option("no", "Forward precision: no (fp32) | fp16 (with grad scaler) | bf16")
-    ema: bool = option(False, "Keep an EMA of the LoRA weights for evaluation")
-    ema_decay: float = option(0.9, "EMA decay")
-    seed: int = option(0, "Seed of prompts, sample seeds and the LoRA init")
-    checkpoint_every: int = option(5, "Save a resumable checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = option(2, "How many recent checkpoints to keep")
-    log_images_every: int = option(10, "Keep sample images every N steps (0 disables)")
-    save_latents: bool = option(True, "Store latents and conditioning in the trajectory Parquet (rebuildable "
-                                "Trajectory)")
-    world_size: int = option(1, "Trainer ranks (one per GPU bundle); > 1 trains FSDP2-sharded across Ray actors "
-                             "(docs/scaling.md)")
-    placement: str = option("colocate", "Ray layout when world_size > 1: colocate (trainer rank + rollout engine per "
-                            "GPU bundle) | split")
-    rollout_engines: int = option(1, "Rollout engines when world_size > 1, held by ranks 0..n-1 (colocate: at most "
-                                  "world_size)")
-    cpus_per_bundle: int = option(1, "CPUs of each placement-group bundle (the trainer rank's and its engine's)")
-    engine_gpu_fraction: float = option(0.5, "Colocate: share of each bundle's GPU reserved for the engine; the rank "
-                                        "takes the rest")
-    memory_handoff: bool = option(False, "Colocate on GPU: the engine releases its memory while the trainer trains "
-                                  "and resumes before rollouts")
-    offload_optimizer: bool = option(False, "Move the optimizer state to CPU while the engine samples (back before "
-                                     "the update)")
-    deterministic: bool = option(False, "Deterministic algorithms, cuBLAS workspace, deterministic attention backends "
-                                 "in the trainer")
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "inner_epochs", "minibatches"):
-            check_positive("train", name, getattr(self, name))
-        check_positive("train", "learning_rate", self.learning_rate)
-        check_positive("train", "max_grad_norm", self.max_grad_norm, allow_zero=True)
-        check_choice("train", "mixed_precision", self.mixed_precision, ("no", "fp16", "bf16"))
-        if not 0 <= self.ema_decay < 1:
-            raise ConfigError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
-        batch = self.prompts_per_step * self.group_size
-        if batch % self.micro_batch_size:
-            fit = [m for m in range(self.micro_batch_size, 0, -1) if batch % m == 0][0]
-            raise ConfigError(
-                f"train: a step's batch of prompts_per_step * group_size = {self.prompts_per_step} * "
-                f"{self.group_size} = {batch} samples is not divisible by micro_batch_size "
-                f"{self.micro_batch_size}; use micro_batch_size={fit}"
-            )
-        n_micro = batch // self.micro_batch_size
-        if n_micro % self.minibatches:
-            raise ConfigError(
-                f"train: {n_micro} micro-batches per step cannot be split into minibatches={self.minibatches} "
-                "equal optimizer steps; pick a divisor of the micro-batch count"
-            )
-        self._check_distributed(batch)
-
-    def _check_distributed(self, batch: int) -> None:
-        check_positive("train", "world_size", self.world_size)
-        check_positive("train", "rollout_engines", self.rollout_engines)
-        check_positive("train", "cpus_per_bundle", self.cpus_per_bundle)
-        check_choice("train", "placement", self.placement, ("colocate", "split"))
-        if not 0 < self.engine_gpu_fraction < 1:
-            raise ConfigError(f"train.engine_gpu_fraction={self.engine_gpu_fraction} must be in (0, 1)")
-        if self.world_size == 1:
-            return
-        if self.placement == "colocate" and self.rollout_engines > self.world_size:
-            raise ConfigError(
-                f"train.rollout_engines={self.rollout_engines} > world_size={self.world_size}: colocated engines "
-                f"live in the trainer bundles; use rollout_engines <= {self.world_size} or placement=split"
-            )
-        # Ranks and engines get whole blocks: a block is a whole number of groups and of micro-batches.
-        block = math.lcm(self.group_size, self.micro_batch_size)
-        blocks = batch // block if batch % block == 0 else 0
-        for name, n in (("world_size", self.world_size), ("rollout_engines", self.rollout_engines)):
-            if blocks == 0 or blocks % n:
-                raise ConfigError(
-                    f"train.{name}={n}: a step's {batch} samples must split into {n} equal shares of whole groups "
-                    f"and whole micro-batches (blocks of lcm(group_size, micro_batch_size) = {block}); "
-                    f"make prompts_per_step * group_size a multiple of {block * n}"
-                )
-
-
-@dataclass
-class EvalConfig:
-    num_steps: int = option(20, "ODE denoising steps for evaluation")
-    guidance_scale: float = option(4.5, "CFG scale for evaluation")
-    num_prompts: int = option(8, "Held-out prompts evaluated (0 = all)")
-    seed: int = option(1234, "Seed of the evaluation noise (same for base and tuned)")
-    use_ema: bool = option(True, "Evaluate the EMA weights when train.ema is on")
-    champion_margin: float = option(0.0, "Registry: promote to champion only if better by more than this")
-
-
-@dataclass
-class DataConfig:
-    source: str = option("builtin:objects", "Prompts: builtin:<generator>, a .txt/.jsonl/.parquet file or folder, or "
-                         "hf://datasets/...")
-    num_prompts: int = option(256, "Prompts a built-in generator writes")
-    test_fraction: float = option(0.1, "Share of prompts held out for evaluation")
-    seed: int = option(0, "Seed of the generator and the train/test split")
-
-    def __post_init__(self) -> None:
-        if not 0 < self.test_fraction < 1:
-            raise ConfigError(f"data.test_fraction={self.test_fraction} must be in (0, 1)")
-        if self.source.startswith("builtin:") and self.num_prompts < 2:
-            raise ConfigError(f"data.num_prompts={self.num_prompts}: {self.source} must make at least 2 prompts, "
-                              "one to train on and one held out for evaluation")
-
-
-@dataclass
-class TrackingConfig:
-    uri: str = option("", "MLflow tracking URI; empty: $MLFLOW_TRACKING_URI, else a SQLite store in ./runs/mlflow")
-    experiment: str = option("diffusionrl", "MLflow experiment of the workflow runs")
-    registered_model: str = option("tiny-sd3-jpeg", "Registry name; versions of one name compete for @champion")
-    log_retries: int = option(5, "Attempts per MLflow logging call (exponential backoff) before buffering for later")
-    max_artifact_mb: float = option(200.0, "Trajectory folders up to this size are copied to MLflow; larger ones are "
-                                    "linked (.inf: always copied)", allow_inf=True)
-
-    def __post_init__(self) -> None:
-        check_positive("tracking", "log_retries", self.log_retries)
-        check_positive("tracking", "max_artifact_mb", self.max_artifact_mb, allow_zero=True)
-        if not self.registered_model.strip():
-            raise ConfigError("tracking.registered_model is empty: name the registry entry, e.g. 'tiny-sd3-jpeg'")
 
 
 @dataclass
