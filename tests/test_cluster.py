@@ -243,6 +243,15 @@ def test_serialized_templates_declare_images_resources_secrets_retries(package):
     head = MessageToDict(train.custom)["rayCluster"]["headGroupSpec"]
     head_requests = head["k8sPod"]["podSpec"]["containers"][0]["resources"]["requests"]
     assert head_requests.get("nvidia.com/gpu") not in (None, "0"), f"train head requests no GPU: {head_requests}"
+    cluster = MessageToDict(train.custom)["rayCluster"]
+    assert cluster.get("enableAutoscaling") is True, "train-gpu workers would never start past the head's GPUs"
+    for pod in [head["k8sPod"], *(g["k8sPod"] for g in cluster["workerGroupSpec"] if g["groupName"] == "train-gpu")]:
+        shm = {v["name"]: v for v in pod["podSpec"].get("volumes", [])}.get("dshm", {})
+        assert shm.get("emptyDir", {}).get("medium") == "Memory", f"no memory-backed /dev/shm: {pod['podSpec']}"
+        disk = pod["podSpec"]["containers"][0]["resources"]["requests"].get("ephemeral-storage")
+        assert disk, "a pod that downloads the model requests no ephemeral storage"
+    reward = [g for g in cluster["workerGroupSpec"] if g["groupName"] == "reward-cpu"]
+    assert reward and "reward-cpu" in reward[0]["rayStartParams"]["resources"]
     for name in ("evaluate", "register"):
         assert requests(package.task(name).template).get("gpu") not in (None, "0"), f"{name}: no GPU request"
     for name in ("prepare_prompts", "fetch_checkpoint"):
