@@ -74,3 +74,14 @@ def tiny_adapter():
     from diffusionrl.models import SD3Adapter, build_tiny_sd3_pipeline
 
     return SD3Adapter(build_tiny_sd3_pipeline(), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny tensors (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): one
+    intra-op thread is as fast, and does not collapse (100x) when another job shares the cores, as two
+    spinning OpenMP threads do."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -59,13 +59,7 @@ def make_trace(
     return trace.with_rewards(adv.clone(), {}, adv)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: intra-op threads only add contention (conftest sets 2)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

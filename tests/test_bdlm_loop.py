@@ -36,13 +36,7 @@ def tiny_cfg(*extra: str) -> BDLMConfig:
     return load_bdlm_config("tiny-bdlm", TINY + list(extra))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: intra-op threads only add contention (conftest sets 2)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,7 @@ from diffusionrl.training.trainer import UpdateStats
 
 from .conftest import tiny_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _fd_check(loss_at, x0: torch.Tensor, grad: torch.Tensor, h: float = 1e-3) -> None:

@@ -18,14 +18,7 @@ from .conftest import run_interrupted_and_uninterrupted, saved_lora, tiny_config
 NFT = "tiny-cpu-nft"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tensors here are tiny: one thread is as fast, and it does not collapse (100x) when the
-    # machine's cores are shared with another job, as two spinning OpenMP threads do.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- the loss, by hand ---------------------------------------------------------------------------------

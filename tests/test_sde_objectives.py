@@ -18,13 +18,7 @@ from diffusionrl.training.trainer import UpdateStats
 
 from .conftest import tiny_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _gaussian_step(seed=0, n=3, shape=(2, 3, 3), s=0.2):

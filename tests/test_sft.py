@@ -24,12 +24,7 @@ from .conftest import saved_lora, tiny_config
 SFT = "tiny-cpu-sft"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _png(colour, size=(40, 24)) -> bytes:
