@@ -142,12 +142,13 @@ def train_bdlm(config: BDLMConfig, run: TrackingRun, init_model: FlyteDirectory,
     if split_frames(config.task)[2] != data_digest:
         raise RuntimeError(f"the digit task generator no longer reproduces the prepared data (digest {data_digest}); "
                            "bump prepare_digits' cache version")
+    allow_change = config_change_allowed(on_config_change)  # a bad value fails before anything starts
     folder, resume = open_run_folder(stage_dir(checkpoint_dir, "grpo"))
     stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
     logger = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
     callbacks = [*run_callbacks(folder, config.grpo.keep_checkpoints), logger]
     result = train_grpo(config, folder.local, init_model.download(), resume=resume, callbacks=callbacks,
-                        allow_config_change=config_change_allowed(on_config_change))
+                        allow_config_change=allow_change)
     tracking.finish_quietly(run, stage)
     return BDLMTrainOutputs(FlyteDirectory(str(result.model_dir)), FlyteDirectory(folder.uri_of("traces")),
                             pd.DataFrame(result.metrics), folder.uri)

@@ -224,6 +224,7 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     from diffusionrl import tracking
     from diffusionrl.train import train as run_training
 
+    allow_change = config_change_allowed(on_config_change)  # a bad value fails before anything starts
     folder, resume = open_run_folder(stage_dir(checkpoint_dir))
     trajectories = ParquetTrajectories(folder.local / "trajectories", run.execution_id, config.train.save_latents)
     prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
@@ -233,7 +234,7 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, trajectories), metrics_cb]
     try:
         result = run_training(config, folder.local, resume=resume, prompts=prompts, model_path=model_dir.download(),
-                              callbacks=callbacks, allow_config_change=config_change_allowed(on_config_change))
+                              callbacks=callbacks, allow_config_change=allow_change)
     except (ConnectionError, TimeoutError) as exc:  # engine/server faults: worth a retry
         raise FlyteRecoverableException(f"transient failure in training: {exc}") from exc
     except RuntimeError as exc:
