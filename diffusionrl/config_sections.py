@@ -156,7 +156,8 @@ class RewardConfig:
     num_actors: int = option(0, "Ray CPU actors scoring rewards (0 scores in-process)")
     ocr_backend: str = option("rapidocr", "OCR backend: rapidocr | paddleocr")
     ocr_model_dir: str = option("", "PaddleOCR: folder holding det/ and rec/ model folders")
-    ocr_threads: int = option(0, "onnxruntime intra-op threads per OCR engine (0: the backend's default)")
+    ocr_threads: int = option(0, "onnxruntime intra-op threads per OCR engine (0: the reward actor's CPU "
+                              "share, else onnxruntime's default)")
     pickscore_processor: str = option("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "PickScore processor id or folder")
     pickscore_model: str = option("yuvalkirstain/PickScore_v1", "PickScore model id or folder")
 

@@ -118,3 +118,16 @@ def test_registered_and_paddle_errors_are_clear(tmp_path):
     (tmp_path / "det").mkdir()
     with pytest.raises(FileNotFoundError, match=r"det.*rec|rec"):
         make_ocr_backend(RewardConfig(weights={"ocr": 1.0}, ocr_backend="paddleocr", ocr_model_dir=str(tmp_path)))
+
+
+def test_the_pools_thread_cap_reaches_ocr_built_from_a_config(monkeypatch):
+    """reward.ocr_threads=0 (the default) takes the actor's cap; an explicit count wins."""
+    from diffusionrl.config import RewardConfig
+    from diffusionrl.rewards.base import THREADS_ENV, set_reward_threads
+    from diffusionrl.rewards.ocr import make_ocr_backend
+
+    monkeypatch.setenv(THREADS_ENV, "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    set_reward_threads(1)  # what the pool does in each actor before building its rewards
+    assert make_ocr_backend(RewardConfig(weights={"ocr": 1.0})).threads == 1
+    assert make_ocr_backend(RewardConfig(weights={"ocr": 1.0}, ocr_threads=2)).threads == 2

@@ -120,8 +120,10 @@ def as_rgb_uint8(image) -> np.ndarray:
 
 
 def _resolve_threads(threads: int | None) -> int:
-    if threads is None:
-        return reward_threads()  # the actor pool's per-actor cap ($DIFFUSIONRL_REWARD_THREADS)
+    """An explicit count wins; unset or 0 (``reward.ocr_threads``' default) is the actor pool's
+    per-actor cap ($DIFFUSIONRL_REWARD_THREADS), else 0: onnxruntime's own default."""
+    if not threads:
+        return reward_threads()
     return max(0, int(threads))
 
 
@@ -131,7 +133,7 @@ class RapidOcrBackend:
     (0.29 vs 0.06 s/img for detection, 0.041 vs 0.023 s/img for recognition) than one by one."""
 
     def __init__(self, threads: int | None = None, det_limit_side_len: int = 960, text_score: float = 0.5):
-        """``threads``: onnxruntime intra-op threads (0: its default, all cores; None: $DIFFUSIONRL_REWARD_THREADS).
+        """``threads``: onnxruntime intra-op threads (None or 0: $DIFFUSIONRL_REWARD_THREADS, else all cores).
 
         Detection keeps images up to ``det_limit_side_len`` at their own size (PaddleOCR's
         behaviour; RapidOCR's default upscales a 512 px image to 736 px, 2x slower).
