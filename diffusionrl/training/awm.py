@@ -14,20 +14,20 @@ import numpy as np
 import torch
 
 from diffusionrl.algorithms.awm import awm_terms
-from diffusionrl.algorithms.nft import noisy_latents
 from diffusionrl.trajectory import Trajectory
 
-from .nft import TimestepPlan
+from .nft import RenoisedUnits, TimestepPlan
 from .policy import LoraPolicy
-from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule
+from .trainer import Trainer, UpdateStats, minibatch_schedule
 
 _ORDER_STREAM = 0x41574D  # "AWM": the micro-batch order of a step
 
 
-class AWMObjective:
+class AWMObjective(RenoisedUnits):
     """Advantage-weighted flow matching on the clean latents of ODE rollouts."""
 
     name = "awm"
+    label = "AWM"
     rollout_sde_type = "ode"  # solver-agnostic: only x0 is used
 
     def __init__(self, cfg, policy: LoraPolicy):
@@ -35,31 +35,6 @@ class AWMObjective:
         self.policy = policy
         self.adapter = policy.adapter
         self.num_train_timesteps = float(self.adapter.scheduler.config.num_train_timesteps)
-
-    def plan(self, traj: Trajectory, step: int, epoch: int) -> TimestepPlan:
-        shape = tuple(traj.latents.shape[2:])
-        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, traj.batch_size, traj.num_steps, shape)
-
-    def units(self, traj: Trajectory, chunks: list[slice], active: torch.Tensor, plan: TimestepPlan) -> list[Unit]:
-        """One unit per (micro-batch, slot); micro-batches without an active sample are skipped."""
-        if traj.advantages is None:
-            raise ValueError("AWM needs scored trajectories: traj.advantages is None")
-        units: list[Unit] = []
-        for sl in chunks:
-            mask = active[sl].to(torch.bool)
-            if not bool(mask.any()):
-                continue
-            for slot in range(plan.slots):
-                units.append(Unit(float(mask.sum()), self._make(traj, sl, slot, mask, plan)))
-        return units
-
-    def noised(self, traj: Trajectory, sl: slice, slot: int, plan: TimestepPlan):
-        """``x0``, ``eps``, ``t`` and ``x_t`` of micro-batch ``sl`` at ``slot`` (on the device)."""
-        device = self.adapter.device
-        x0 = traj.latents[sl, -1].to(device)
-        t = traj.sigmas[torch.as_tensor(plan.indices[sl, slot], dtype=torch.long)].to(device)
-        eps = plan.noise(range(sl.start, sl.stop), slot).to(device)
-        return x0, eps, t, noisy_latents(x0, eps, t)
 
     def _make(self, traj: Trajectory, sl: slice, slot: int, mask: torch.Tensor, plan: TimestepPlan):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

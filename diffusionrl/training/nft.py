@@ -77,10 +77,45 @@ class TimestepPlan:
         return torch.from_numpy(np.stack(draws))
 
 
-class NFTObjective:
+class RenoisedUnits:
+    """Work units of objectives that re-noise each sample's clean rollout latent ``x0`` at the slots
+    of a ``TimestepPlan`` (DiffusionNFT, AWM): one unit per (micro-batch, slot), counted by the
+    micro-batch's active samples; micro-batches without one are skipped. A subclass sets ``label``
+    and ``cfg``/``adapter`` and builds a unit's loss in ``_make(traj, sl, slot, mask, plan)``."""
+
+    label = "this objective"
+
+    def plan(self, traj: Trajectory, step: int, epoch: int) -> TimestepPlan:
+        shape = tuple(traj.latents.shape[2:])
+        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, traj.batch_size, traj.num_steps, shape)
+
+    def units(self, traj: Trajectory, chunks: list[slice], active: torch.Tensor, plan: TimestepPlan) -> list[Unit]:
+        if traj.advantages is None:
+            raise ValueError(f"{self.label} needs scored trajectories: traj.advantages is None")
+        units: list[Unit] = []
+        for sl in chunks:
+            mask = active[sl].to(torch.bool)  # [m]
+            count = float(mask.sum())
+            if count == 0:
+                continue
+            for slot in range(plan.slots):
+                units.append(Unit(count, self._make(traj, sl, slot, mask, plan)))
+        return units
+
+    def noised(self, traj: Trajectory, sl: slice, slot: int, plan: TimestepPlan):
+        """``x0``, ``eps``, ``t`` and ``x_t`` of micro-batch ``sl`` at ``slot`` (on the device)."""
+        device = self.adapter.device
+        x0 = traj.latents[sl, -1].to(device)  # [m, C, H, W] clean final latents
+        t = traj.sigmas[torch.as_tensor(plan.indices[sl, slot], dtype=torch.long)].to(device)  # [m] noise levels
+        eps = plan.noise(range(sl.start, sl.stop), slot).to(device)  # [m, C, H, W]
+        return x0, eps, t, noisy_latents(x0, eps, t)
+
+
+class NFTObjective(RenoisedUnits):
     """DiffusionNFT: likelihood-free policy improvement against an EMA old policy."""
 
     name = "nft"
+    label = "DiffusionNFT"
     rollout_sde_type = "ode"  # NFT learns from deterministic samples of the old policy
 
     def __init__(self, cfg, policy: LoraPolicy):
@@ -136,35 +171,13 @@ class NFTObjective:
         finally:
             self.policy.load_lora_state(live)
 
-    # -- work units --------------------------------------------------------------------------------
-    def plan(self, traj: Trajectory, step: int, epoch: int) -> TimestepPlan:
-        shape = tuple(traj.latents.shape[2:])
-        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, traj.batch_size, traj.num_steps, shape)
-
-    def units(self, traj: Trajectory, chunks: list[slice], active: torch.Tensor, plan: TimestepPlan) -> list[Unit]:
-        """One unit per (micro-batch, slot); micro-batches without an active sample are skipped."""
-        if traj.advantages is None:
-            raise ValueError("DiffusionNFT needs scored trajectories: traj.advantages is None")
-        units: list[Unit] = []
-        for sl in chunks:
-            mask = active[sl].to(torch.bool)  # [m]
-            count = float(mask.sum())
-            if count == 0:
-                continue
-            for slot in range(plan.slots):
-                units.append(Unit(count, self._make(traj, sl, slot, mask, plan)))
-        return units
-
+    # -- work units: plan, units and noised come from RenoisedUnits ------------------------------------
     def _make(self, traj: Trajectory, sl: slice, slot: int, mask: torch.Tensor, plan: TimestepPlan):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             ac = self.cfg.algorithm
             device = self.adapter.device
             model, g = self.policy.model, traj.guidance_scale
-            x0 = traj.latents[sl, -1].to(device)  # [m, C, H, W] clean final latents
-            idx = torch.as_tensor(plan.indices[sl, slot], dtype=torch.long)  # [m]
-            t = traj.sigmas[idx].to(device)  # [m] noise levels
-            eps = plan.noise(range(sl.start, sl.stop), slot).to(device)  # [m, C, H, W]
-            x_t = noisy_latents(x0, eps, t)
+            x0, eps, t, x_t = self.noised(traj, sl, slot, plan)
             timestep = t * self.num_train_timesteps  # [m]
             cond = traj.conditioning.select(sl).to(device)
             with torch.no_grad(), self.old_weights():
