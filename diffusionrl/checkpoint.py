@@ -259,34 +259,35 @@ def _skip(exc: CheckpointDamaged) -> None:
     log.warning("skipping damaged checkpoint %s: %s; trying the previous one", exc.path.name, exc.reason)
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest intact checkpoint of ``root`` (a damaged newer one is reported in one warning line
-    and skipped); None when there is none; ``CheckpointDamaged`` when every one is damaged."""
+def _newest_intact(root: str | Path, open_one):
+    """``open_one(path)`` of the newest checkpoint of ``root`` it succeeds on; a damaged one is
+    reported in one warning line and skipped; None when there is none; ``CheckpointDamaged``
+    when every one is damaged."""
     damaged = []
     for path in reversed(list_checkpoints(root)):
         try:
-            verify_checkpoint(path)
-            return path
+            return open_one(path)
         except CheckpointDamaged as exc:
             _skip(exc)
             damaged.append(exc)
     if damaged:
         raise _no_intact(Path(root), damaged)
     return None
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest intact checkpoint of ``root`` (its files match the manifest)."""
+
+    def verified(path: Path) -> Path:
+        verify_checkpoint(path)
+        return path
+
+    return _newest_intact(root, verified)
 
 
 def load_latest(root: str | Path, restore_rng: bool = True) -> tuple[Path, CheckpointState] | None:
     """``latest_checkpoint`` and its state, also skipping a checkpoint whose files do not parse."""
-    damaged = []
-    for path in reversed(list_checkpoints(root)):
-        try:
-            return path, load_checkpoint(path, restore_rng=restore_rng)
-        except CheckpointDamaged as exc:
-            _skip(exc)
-            damaged.append(exc)
-    if damaged:
-        raise _no_intact(Path(root), damaged)
-    return None
+    return _newest_intact(root, lambda path: (path, load_checkpoint(path, restore_rng=restore_rng)))
 
 
 def prune_checkpoints(root: str | Path, keep: int) -> None:

@@ -193,9 +193,21 @@ class SD3Adapter:
         position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
         unique = list(position)
         index = torch.tensor([position[p] for p in prompts], device=self.device)
+        embeds, pooled = self._encode(unique, max_sequence_length)
+        cond = Conditioning(embeds.index_select(0, index), pooled.index_select(0, index))
+        if negative_prompt is not None:
+            neg, neg_pooled = self._encode([negative_prompt], max_sequence_length)
+            b = len(prompts)
+            cond.negative_prompt_embeds = neg.expand(b, *neg.shape[1:]).contiguous()
+            cond.negative_pooled_embeds = neg_pooled.expand(b, *neg_pooled.shape[1:]).contiguous()
+        return cond
+
+    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pipeline's (no-CFG) prompt and pooled embeddings of ``texts``; diffusers' per-call
+        truncation warnings are replaced by ``warn_truncated``'s single one."""
         with _truncation_warnings_dropped() as dropped:
             embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=unique,
+                prompt=texts,
                 prompt_2=None,
                 prompt_3=None,
                 device=self.device,
@@ -204,25 +216,8 @@ class SD3Adapter:
                 max_sequence_length=max_sequence_length,
             )
         if any(quiet.dropped for quiet in dropped.values()):
-            self.warn_truncated(unique, max_sequence_length)
-        cond = Conditioning(embeds.index_select(0, index), pooled.index_select(0, index))
-        if negative_prompt is not None:
-            with _truncation_warnings_dropped() as dropped:
-                neg, _, neg_pooled, _ = self.pipe.encode_prompt(
-                    prompt=[negative_prompt],
-                    prompt_2=None,
-                    prompt_3=None,
-                    device=self.device,
-                    num_images_per_prompt=1,
-                    do_classifier_free_guidance=False,
-                    max_sequence_length=max_sequence_length,
-                )
-            if any(quiet.dropped for quiet in dropped.values()):
-                self.warn_truncated([negative_prompt], max_sequence_length)
-            b = len(prompts)
-            cond.negative_prompt_embeds = neg.expand(b, *neg.shape[1:]).contiguous()
-            cond.negative_pooled_embeds = neg_pooled.expand(b, *neg_pooled.shape[1:]).contiguous()
-        return cond
+            self.warn_truncated(texts, max_sequence_length)
+        return embeds, pooled
 
     def warn_truncated(self, prompts: list[str], max_sequence_length: int) -> int:
         """Warn once (per adapter) about the prompts the text encoders cut short: CLIP takes its
