@@ -61,6 +61,28 @@ def write_text(uri: str | Path, text: str) -> None:
         fh.write(text)
 
 
+def local_copy(uri: str | Path, dest: str | Path) -> Path:
+    """A local folder with the contents of ``uri``: the path itself when it is local, else the
+    object-store prefix downloaded into ``dest`` (emptied first). Raises ``FileNotFoundError`` naming
+    the URI when there is nothing there."""
+    import fsspec
+
+    if not is_remote(uri):
+        return local_path(uri)
+    fs, root = fsspec.core.url_to_fs(str(uri))
+    files = fs.find(root)
+    if not files:
+        raise FileNotFoundError(f"{uri}: no files there")
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    for remote_file in files:
+        target = dest / remote_file[len(root.rstrip("/")) + 1:]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote_file, str(target))
+    return dest
+
+
 class RunFolder:
     """The run folder at ``uri``; ``local`` is where the loop writes (``uri`` itself when local)."""
 

@@ -27,7 +27,7 @@ import logging
 import sys
 from pathlib import Path
 
-from diffusionrl.config import Config, describe, load_config
+from diffusionrl.config import Config, apply_overrides, describe, load_config
 from diffusionrl.errors import run_cli
 from diffusionrl.runloop import RUN_CONTROL_KEYS, Callback, RunLoop, RunResult, Schedule
 
@@ -109,13 +109,30 @@ def build_sft_loop(cfg: Config, out_dir: str | Path, *, callbacks: list[Callback
                    progress=progress)
 
 
-def train_sft(cfg: Config, out_dir: str | Path, source: str | None = None, **kw) -> RunResult:
-    """Supervised warm start for ``cfg``'s model and LoRA on ``source`` (default ``algorithm.sft_source``):
-    runs ``cfg`` with ``algorithm.name=sft``; the RL run then starts from the result with
-    ``algorithm.init_lora=<result.model_dir>``."""
+def sft_config(cfg: Config, steps: int | None = None, overrides: list[str] = (), source: str | None = None) -> Config:
+    """The supervised warm start before the RL run ``cfg``: the same model, LoRA and data seed with
+    ``algorithm.name=sft`` on ``source`` (default ``algorithm.sft_source``), ``steps`` steps (default
+    ``train.steps``), in one process (``train.world_size=1``), from ``algorithm.init_lora`` if set,
+    then the SFT-only dotted ``overrides`` (e.g. ``train.learning_rate=1e-4``), validated like any config."""
     data = cfg.to_dict()
     data["algorithm"].update(name="sft", sft_source=source or cfg.algorithm.sft_source)
-    return train(Config.from_dict(data, where="train_sft"), out_dir, **kw)
+    data["train"]["world_size"] = 1
+    if steps is not None:
+        data["train"]["steps"] = steps
+    return Config.from_dict(apply_overrides(data, list(overrides)), where="the SFT stage")
+
+
+def with_init_lora(cfg: Config, lora: str) -> Config:
+    """``cfg`` starting from the LoRA folder or URI ``lora`` (``algorithm.init_lora``)."""
+    data = cfg.to_dict()
+    data["algorithm"]["init_lora"] = str(lora)
+    return Config.from_dict(data, where="the RL stage after a warm start")
+
+
+def train_sft(cfg: Config, out_dir: str | Path, source: str | None = None, **kw) -> RunResult:
+    """Supervised warm start for ``cfg``'s model and LoRA on ``source`` (``sft_config``); the RL run
+    then starts from the result with ``with_init_lora(cfg, result.model_dir)``."""
+    return train(sft_config(cfg, source=source), out_dir, **kw)
 
 
 def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", stop_after: int | None = None,

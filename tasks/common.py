@@ -7,6 +7,7 @@ errors, Decks) and the ``diffusionrl`` library.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -228,12 +229,26 @@ def run_callbacks(folder, keep: int, *writers: Callback) -> list[Callback]:
     return [*writers, SyncRunFolder(folder, keep), FlyteCheckpoints(folder)]
 
 
-def open_train_stage(run: TrackingRun, run_dir: str, attempts: int) -> str:
-    """The ``train`` stage run, tagged with its run folder; an unreachable store is retryable."""
+def open_train_stage(run: TrackingRun, run_dir: str, attempts: int, name: str = "train") -> str:
+    """The ``train`` (or ``sft``) stage run, tagged with its run folder; an unreachable store is retryable."""
     try:
-        return tracking.open_stage(run, "train", attempts, tags={"run_dir": str(run_dir)})
+        return tracking.open_stage(run, name, attempts, tags={"run_dir": str(run_dir)})
     except tracking.TrackingUnavailable as exc:
         raise FlyteRecoverableException(str(exc)) from exc
+
+
+@contextlib.contextmanager
+def retryable_faults():
+    """Inside: engine/server faults (connection errors, timeouts) and CUDA out-of-memory raise
+    ``FlyteRecoverableException``, so Flyte retries the attempt (which resumes from its checkpoint)."""
+    try:
+        yield
+    except (ConnectionError, TimeoutError) as exc:
+        raise FlyteRecoverableException(f"transient failure in training: {exc}") from exc
+    except RuntimeError as exc:
+        if "out of memory" in str(exc).lower():
+            raise FlyteRecoverableException(f"out of memory: {exc}") from exc
+        raise
 
 
 # -- register and report --------------------------------------------------------------------------------

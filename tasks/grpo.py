@@ -15,13 +15,12 @@ from typing import NamedTuple
 
 import pandas as pd
 from flytekit import Cache, Resources, current_context, task
-from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
 
 from diffusionrl.callbacks import Callback
-from diffusionrl.config import Config, DataConfig, RewardConfig, apply_overrides
+from diffusionrl.config import Config, ConfigError, DataConfig, RewardConfig, apply_overrides
 from diffusionrl.data import PromptSet, load_prompts
 from diffusionrl.tracking import TrackingRun
 from images import CPU_IMAGE, GPU_IMAGE
@@ -38,6 +37,7 @@ from .common import (
     report_artifacts,
     require_shared_store,
     resolved_or_given,
+    retryable_faults,
     run_callbacks,
     stage_dir,
     user_errors,
@@ -68,11 +68,19 @@ FETCH_CACHE = Cache(version="checkpoint-v1")
 
 @task(container_image=CPU_IMAGE)
 @user_errors
-def resolve_config(config: Config, overrides: list[str]) -> Config:
-    """Apply dotted ``key=value`` overrides and re-validate the whole tree. (A partial tree was laid
-    over its preset and unknown keys rejected before this body runs, when flytekit decoded the input:
-    ``ConfigTree.__pre_deserialize__``.)"""
-    return Config.from_dict(apply_overrides(config.to_dict(), overrides))
+def resolve_config(config: Config, overrides: list[str], sft_steps: int, sft_overrides: list[str]) -> Config:
+    """Apply dotted ``key=value`` overrides and re-validate the whole tree, and the warm start's config
+    when there is one (``sft_steps`` > 0), so a mistake in it fails here, before any data or weights are
+    fetched. (A partial tree was laid over its preset and unknown keys rejected before this body runs,
+    when flytekit decoded the input: ``ConfigTree.__pre_deserialize__``.)"""
+    cfg = Config.from_dict(apply_overrides(config.to_dict(), overrides))
+    if sft_steps < 0:
+        raise ConfigError(f"sft_steps={sft_steps}: must be >= 0 (0 = no warm start)")
+    if sft_steps > 0:
+        from diffusionrl.train import sft_config
+
+        sft_config(cfg, sft_steps, sft_overrides)
+    return cfg
 
 
 @task(**CPU_TASK, secret_requests=MLFLOW)
@@ -87,7 +95,7 @@ def start_run(config: Config) -> TrackingRun:
 
 @task(**CPU_TASK, secret_requests=MLFLOW)
 def on_grpo_failure(config: Config, overrides: list[str], checkpoint_dir: str, on_config_change: str,
-                    err: FlyteError | None = None) -> None:
+                    sft_steps: int, sft_overrides: list[str], err: FlyteError | None = None) -> None:
     """Failure handler of ``grpo``: the MLflow runs it left open are marked FAILED."""
     load_secrets(MLFLOW)
     close_failed_runs(resolved_or_given(config, overrides).tracking, err)
@@ -188,6 +196,45 @@ def fetch_checkpoint(reference: str, revision: str) -> Checkpoint:
     return Checkpoint(FlyteDirectory(str(path)), digest)
 
 
+# -- warm start ---------------------------------------------------------------------------------------------
+
+
+@task(container_image=GPU_IMAGE, environment=ENVIRONMENT, secret_requests=HF_MLFLOW, requests=GPU_TASK,
+      accelerator=ACCELERATOR, interruptible=True, retries=3, timeout=TIMEOUTS["train"], enable_deck=False)
+@user_errors
+def sft(config: Config, sft_steps: int, sft_overrides: list[str], model_dir: FlyteDirectory, checkpoint_dir: str,
+        run: TrackingRun, on_config_change: str) -> Config:
+    """The optional supervised warm start before RL (``sft_steps`` > 0): ``train.sft_config`` (SFT on
+    ``algorithm.sft_source``, then ``sft_overrides``) in the run folder ``checkpoint_dir/sft``, resumed and
+    retried like ``train``, metrics in the ``sft`` stage run. Returns the RL config starting from its
+    LoRA (``algorithm.init_lora`` = the LoRA's URI in the run folder, also tagged ``warm_start_lora``)."""
+    load_secrets(HF_MLFLOW)
+    from diffusionrl import tracking
+    from diffusionrl.train import sft_config, with_init_lora
+    from diffusionrl.train import train as run_training
+
+    allow_change = config_change_allowed(on_config_change)
+    sft_cfg = sft_config(config, sft_steps, sft_overrides)
+    folder, resume = open_run_folder(stage_dir(checkpoint_dir, "sft"))
+    stage = open_train_stage(run, folder.uri, config.tracking.log_retries, name="sft")
+    metrics_cb = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
+    with retryable_faults():
+        result = run_training(sft_cfg, folder.local, resume=resume, model_path=model_dir.download(),
+                              callbacks=[*run_callbacks(folder, sft_cfg.train.keep_checkpoints), metrics_cb],
+                              allow_config_change=allow_change)
+    lora = folder.uri_of(Path(result.model_dir).relative_to(folder.local).as_posix())
+    tracking.set_tags(run, {"warm_start_lora": lora}, also=[stage])
+    tracking.finish_quietly(run, stage)
+    log.info("warm start: %d SFT steps -> %s", result.steps_done, lora)
+    return with_init_lora(config, lora)
+
+
+@task(container_image=CPU_IMAGE)
+def no_warm_start(config: Config) -> Config:
+    """The RL config as it is (``sft_steps`` = 0)."""
+    return config
+
+
 # -- train --------------------------------------------------------------------------------------------------
 
 
@@ -232,15 +279,9 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
                                        attempts=config.tracking.log_retries)
     callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, trajectories), metrics_cb]
-    try:
+    with retryable_faults():
         result = run_training(config, folder.local, resume=resume, prompts=prompts, model_path=model_dir.download(),
                               callbacks=callbacks, allow_config_change=allow_change)
-    except (ConnectionError, TimeoutError) as exc:  # engine/server faults: worth a retry
-        raise FlyteRecoverableException(f"transient failure in training: {exc}") from exc
-    except RuntimeError as exc:
-        if "out of memory" in str(exc).lower():
-            raise FlyteRecoverableException(f"out of memory: {exc}") from exc
-        raise
     tracking.finish_quietly(run, stage)
     lora = result.extra_dirs.get("ema", result.model_dir) if config.eval.use_ema else result.model_dir
     return TrainOutputs(FlyteDirectory(str(lora)), FlyteDirectory(folder.uri_of("trajectories")),

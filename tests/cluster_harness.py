@@ -660,8 +660,7 @@ class MiniPropeller:
         nodes = {n.id: n for n in tmpl.nodes if n.id not in skip and n.id not in ("start-node", "end-node", START_NODE)}
         if tmpl.HasField("failure_node"):
             nodes.pop(tmpl.failure_node.id, None)  # on_failure handler: not part of this run
-        deps = {nid: (set(n.upstream_node_ids) | self._binding_nodes(n.inputs)) - {START_NODE, "start-node"}
-                for nid, n in nodes.items()}
+        deps = {nid: self._node_deps(n) - {START_NODE, "start-node"} for nid, n in nodes.items()}
         outputs: dict[str, Any] = {START_NODE: literals_pb2.LiteralMap(literals=inputs)}
         done: set[str] = set()
         running: dict[concurrent.futures.Future, str] = {}
@@ -672,10 +671,14 @@ class MiniPropeller:
                         if nid in done or nid in running.values() or len(running) >= self.max_parallel:
                             continue
                         if deps[nid] <= done:
-                            task_name = node.task_node.reference_id.name
+                            run_id, task_node = nid, node
+                            if node.HasField("branch_node"):  # propeller evaluates the condition, runs one case
+                                task_node = self.branch_case(node, outputs)
+                                run_id = f"{nid}-{task_node.id}"
+                            task_name = task_node.task_node.reference_id.name
                             node_inputs = literals_pb2.LiteralMap(
-                                literals={b.var: self.resolve(b.binding, outputs) for b in node.inputs})
-                            running[pool.submit(self.run_node, ex.name, nid, task_name, node_inputs)] = nid
+                                literals={b.var: self.resolve(b.binding, outputs) for b in task_node.inputs})
+                            running[pool.submit(self.run_node, ex.name, run_id, task_name, node_inputs)] = nid
                 if not running:
                     break
                 finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -697,6 +700,46 @@ class MiniPropeller:
             ex.outputs = {b.var: self.resolve(b.binding, outputs) for b in tmpl.outputs}
         ex.seconds = time.monotonic() - t0
         return ex
+
+    def _node_deps(self, node) -> set[str]:
+        """The outer nodes a node waits for; for a branch node, those of every case it may run."""
+        deps = set(node.upstream_node_ids) | self._binding_nodes(node.inputs)
+        if node.HasField("branch_node"):
+            ie = node.branch_node.if_else
+            for case in [ie.case.then_node, *(c.then_node for c in ie.other), ie.else_node]:
+                if case.id:
+                    deps |= self._node_deps(case)
+        return deps
+
+    def branch_case(self, node, outputs: dict[str, Any]):
+        """The case node a branch node runs: the first whose condition holds on the branch's inputs."""
+        ie = node.branch_node.if_else
+        values = {b.var: self.resolve(b.binding, outputs) for b in node.inputs}
+        for case in [ie.case, *ie.other]:
+            if self._holds(case.condition, values):
+                return case.then_node
+        if not ie.else_node.id:
+            raise RuntimeError(f"branch node {node.id}: no case holds and there is no else")
+        return ie.else_node
+
+    def _holds(self, expr, values: dict[str, Any]) -> bool:
+        import operator
+
+        if expr.HasField("conjunction"):
+            c = expr.conjunction
+            left, right = self._holds(c.left_expression, values), self._holds(c.right_expression, values)
+            return (left and right) if c.operator == 0 else (left or right)  # 0: AND, 1: OR
+        cmp = expr.comparison
+
+        def value(operand):
+            if operand.HasField("var"):
+                prim = values[operand.var].scalar.primitive
+            else:
+                prim = operand.primitive
+            return getattr(prim, prim.WhichOneof("value"))
+
+        ops = [operator.eq, operator.ne, operator.gt, operator.ge, operator.lt, operator.le]  # EQ NEQ GT GTE LT LTE
+        return bool(ops[cmp.operator](value(cmp.left_value), value(cmp.right_value)))
 
     @staticmethod
     def _binding_nodes(bindings) -> set[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import io
+import json
 import secrets
 import shutil
 import subprocess
@@ -33,7 +34,9 @@ STEPS = 3
 FAULT_AFTER = 2  # a train attempt fails (retryably) after this many steps of its own
 # The config input: tiny-cpu with the test-sized settings; `overrides` (also an input) adds the rest.
 CONFIG_OVERRIDES = TINY_OVERRIDES + ["data.num_prompts=24", "data.test_fraction=0.2"]
-RUN_OVERRIDES = [f"train.steps={STEPS}", "train.checkpoint_every=1", "eval.num_prompts=2", "reward.num_actors=1"]
+RUN_OVERRIDES = [f"train.steps={STEPS}", "train.checkpoint_every=1", "eval.num_prompts=2", "reward.num_actors=1",
+                 "algorithm.sft_source=builtin:shapes:8"]
+SFT_STEPS = 1  # the warm-start branch runs: RL then starts from the SFT LoRA's object-store URI
 SECRET_GROUP, SECRET_KEY = "hf", "token"
 TASKS_WITH_SECRET = ("fetch_checkpoint", "train", "evaluate", "register")
 TIMED_TASKS = ("train", "evaluate", "register")
@@ -114,7 +117,8 @@ def workflow_inputs(package, checkpoint_dir: str = "") -> dict:
 
     iface = package.workflows[WORKFLOW].template.interface.inputs.variables
     values = {"config": (_config(), Config), "overrides": (RUN_OVERRIDES, list[str]),
-              "checkpoint_dir": (checkpoint_dir, str), "on_config_change": ("fail", str)}
+              "checkpoint_dir": (checkpoint_dir, str), "on_config_change": ("fail", str),
+              "sft_steps": (SFT_STEPS, int), "sft_overrides": ([], list[str])}
     assert set(values) == set(iface), f"the workflow's inputs changed: {sorted(iface)}"
     return {k: ch.to_literal(v, t, iface[k].type) for k, (v, t) in values.items()}
 
@@ -285,7 +289,7 @@ def test_dag_completes(execution, token):
     assert all(r.ok for r in execution.nodes.values())
     assert {r.task.split(".")[-1] for r in execution.nodes.values()} == {
         "resolve_config", "start_run", "fingerprint_prompts", "prepare_prompts", "fetch_checkpoint", "track_inputs",
-        "train", "evaluate", "register", "report"}
+        "sft", "train", "evaluate", "register", "report"}
     assert all(len(r.attempts) == 1 for r in execution.nodes.values()), "a node needed a retry"
     # The tasks ran the packaged code (the fast-registration tarball), not this checkout, and the
     # secret reaches flytekit's secrets manager in a pod.
@@ -356,6 +360,11 @@ def test_outputs_live_in_the_object_store(execution, services, propeller, tmp_pa
     run_dir = execution.by_task("train").outputs.literals["run_dir"].scalar.primitive.string_value
     assert run_dir.startswith(f"s3://{store.bucket}/"), f"train's run folder is not in the object store: {run_dir}"
     assert any(k.endswith("checkpoints/LATEST") for k in store.keys(run_dir)), "no published checkpoint"
+    # The warm start: the sft pod's LoRA lies in the object store, and the RL run's config names it.
+    rl_config = json.loads(store.get(f"{run_dir}/config.json"))
+    init_lora = rl_config["algorithm"]["init_lora"]
+    assert init_lora.startswith(f"s3://{store.bucket}/") and init_lora.endswith("/sft/lora"), init_lora
+    assert store.exists(f"{init_lora}/adapter_model.safetensors"), f"no SFT LoRA at {init_lora}"
 
 
 def test_registered_model_references_only_shared_storage(execution, services, propeller):

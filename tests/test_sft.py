@@ -115,6 +115,18 @@ def test_sft_trains_two_steps_resumes_only_as_sft_and_warm_starts_rl(tmp_path):
     start = get_peft_model_state_dict(rl.backend.worker.policy.model)
     assert start.keys() == sft_lora.keys() and all(torch.equal(start[k], sft_lora[k]) for k in start)
     rl.close()
+    # the same from an object-store URI (the workflow's SFT stage hands RL its LoRA's URI)
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for f in result.model_dir.iterdir():
+        fs.pipe_file(f"/sft-test/lora/{f.name}", f.read_bytes())
+    rl = build_loop(tiny_config("algorithm.init_lora=memory://sft-test/lora"), tmp_path / "rl2", progress=False)
+    start = get_peft_model_state_dict(rl.backend.worker.policy.model)
+    assert all(torch.equal(start[k], sft_lora[k]) for k in sft_lora)
+    rl.close()
+    with pytest.raises(FileNotFoundError, match="memory://sft-test/nothing: no files there"):
+        build_loop(tiny_config("algorithm.init_lora=memory://sft-test/nothing"), tmp_path / "rl3", progress=False)
     again = train_sft(tiny_config("train.steps=1"), tmp_path / "again", source="builtin:shapes:16", resume=None)
     assert again.steps_done == 1
 

@@ -141,6 +141,33 @@ def test_killed_train_resumes_at_step_k_and_matches_uninterrupted(grpo, run, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_warm_start_runs_sft_then_rl_from_its_lora(grpo, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = grpo(overrides=SMALL + ["train.steps=1", "algorithm.sft_source=builtin:shapes:16"], checkpoint_dir=str(ckpt),
+               sft_steps=2, sft_overrides=["train.learning_rate=0.003"])
+    sft_rows = [json.loads(x) for x in (ckpt / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sft_rows] == [1.0, 2.0] and all(r["train/loss"] > 0 for r in sft_rows)
+    sft_cfg = json.loads((ckpt / "sft" / "config.json").read_text())
+    assert sft_cfg["algorithm"]["name"] == "sft" and sft_cfg["train"]["learning_rate"] == 0.003
+    rl_cfg = json.loads((ckpt / "config.json").read_text())  # the RL run started from the SFT stage's LoRA
+    assert rl_cfg["algorithm"]["name"] == "flow_grpo" and rl_cfg["algorithm"]["init_lora"] == str(ckpt / "sft" / "lora")
+    assert rl_cfg["train"]["learning_rate"] != 0.003  # the SFT-only override stayed in the SFT stage
+    assert (ckpt / "sft" / "lora" / "adapter_model.safetensors").is_file() and Path(out.lora.path).is_dir()
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("diffusionrl").experiment_id
+    tagged = client.search_runs([exp], f"tags.warm_start_lora = '{ckpt / 'sft' / 'lora'}'")
+    assert {"sft", "workflow"} <= {r.data.tags["diffusionrl.stage"] for r in tagged}  # later stages inherit the tag
+    stage = next(r for r in tagged if r.data.tags["diffusionrl.stage"] == "sft")
+    assert len(client.get_metric_history(stage.info.run_id, "train/loss")) == 2
+
+
+def test_a_bad_warm_start_setting_fails_before_anything_runs(grpo):
+    with pytest.raises(Exception, match=r"unknown key 'lerning_rate'"):
+        grpo(overrides=SMALL, sft_steps=1, sft_overrides=["train.lerning_rate=0.1"])
+    with pytest.raises(Exception, match=r"algorithm.name=sft needs algorithm.sft_source"):
+        grpo(overrides=SMALL, sft_steps=1)
+
+
 def _pyflyte_run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLYTE_LOCAL_CACHE_ENABLED": "false", "COLUMNS": "200"}
     return subprocess.run(

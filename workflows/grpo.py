@@ -7,7 +7,10 @@
 ``config`` is the whole typed config tree (the Flyte console shows it as a JSON box with the
 defaults); ``overrides`` are dotted ``key=value`` strings applied on top and re-validated;
 ``checkpoint_dir`` (local runs) is a folder that keeps resumable checkpoints across runs: re-run
-with the same value to resume an interrupted training.
+with the same value to resume an interrupted training. ``sft_steps`` > 0 adds a supervised warm
+start before RL (the ``sft`` task: flow matching on ``algorithm.sft_source``'s (prompt, image)
+pairs, with the SFT-only dotted ``sft_overrides``, in ``checkpoint_dir/sft``); RL then starts from
+its LoRA (``algorithm.init_lora``).
 
 How a config gets in, and why it is checked the same on every way in. The input stays the typed
 ``Config`` dataclass (not a YAML string), so the console keeps its JSON box with every default and
@@ -48,7 +51,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
-from flytekit import CronSchedule, LaunchPlan, workflow
+from flytekit import CronSchedule, LaunchPlan, conditional, workflow
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
@@ -61,11 +64,13 @@ from tasks.grpo import (
     fetch_checkpoint,
     fingerprint_prompts,
     nightly_run_dir,
+    no_warm_start,
     on_grpo_failure,
     prepare_prompts,
     register,
     report,
     resolve_config,
+    sft,
     start_run,
     track_inputs,
     train,
@@ -86,15 +91,20 @@ class GRPOOutputs(NamedTuple):
 
 @workflow(on_failure=on_grpo_failure)  # marks the execution's open MLflow runs FAILED
 def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "",  # noqa: B006
-         on_config_change: str = "fail") -> GRPOOutputs:
-    cfg = resolve_config(config=config, overrides=overrides)
-    run = start_run(config=cfg)  # MLflow preflight: fails before any data or weights are fetched
-    prompts = prepare_prompts(data=cfg.data, reward=cfg.reward, fingerprint=fingerprint_prompts(data=cfg.data))
-    model = fetch_checkpoint(reference=cfg.model.name, revision=cfg.model.revision)
+         on_config_change: str = "fail", sft_steps: int = 0, sft_overrides: list[str] = []) -> GRPOOutputs:  # noqa: B006
+    given = resolve_config(config=config, overrides=overrides, sft_steps=sft_steps, sft_overrides=sft_overrides)
+    run = start_run(config=given)  # MLflow preflight: fails before any data or weights are fetched
+    prompts = prepare_prompts(data=given.data, reward=given.reward, fingerprint=fingerprint_prompts(data=given.data))
+    model = fetch_checkpoint(reference=given.model.name, revision=given.model.revision)
     run >> prompts.digest  # (one output stands for its node)
     prompts.digest >> model.digest  # prompts are validated before any weights are fetched
-    digests = track_inputs(run=run, config=cfg, train_prompts=prompts.train, test_prompts=prompts.test,
+    digests = track_inputs(run=run, config=given, train_prompts=prompts.train, test_prompts=prompts.test,
                            prompts_digest=prompts.digest, model_digest=model.digest)
+    # The optional supervised warm start: RL then starts from its LoRA (algorithm.init_lora).
+    cfg = (conditional("warm_start").if_(sft_steps > 0)
+           .then(sft(config=given, sft_steps=sft_steps, sft_overrides=sft_overrides, model_dir=model.model_dir,
+                     checkpoint_dir=checkpoint_dir, run=run, on_config_change=on_config_change))
+           .else_().then(no_warm_start(config=given)))
     trained = train(config=cfg, train_prompts=prompts.train, test_prompts=prompts.test, prompts_digest=prompts.digest,
                     model_dir=model.model_dir, checkpoint_dir=checkpoint_dir, run=run,
                     on_config_change=on_config_change)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from diffusionrl.checkpoint import CheckpointState
 from diffusionrl.models import load_adapter
 from diffusionrl.rollout.factory import make_engine
+from diffusionrl.storage import local_copy
 from diffusionrl.trajectory import Trajectory
 
 from .objective import build_objective
@@ -40,7 +42,9 @@ class LocalPolicyWorker:
         self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
         self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
         if cfg.algorithm.init_lora:  # a warm start (e.g. an SFT run's LoRA), before the optimizer and old copies
-            self.policy.load_adapter_folder(cfg.algorithm.init_lora)
+            with tempfile.TemporaryDirectory() as tmp:  # a URI (an SFT stage's run folder) is downloaded first
+                folder = local_copy(cfg.algorithm.init_lora, Path(tmp) / "init_lora")
+                self.policy.load_adapter_folder(folder, label=cfg.algorithm.init_lora)
         self.trainer = Trainer(cfg, self.policy)
         self.objective = build_objective(cfg, self.policy)
         self.engine = (engine_factory or make_engine)(cfg, self.adapter, self.policy)

@@ -68,22 +68,24 @@ class LoraPolicy:
             self.load_lora_state(live)
 
     @torch.no_grad()
-    def load_adapter_folder(self, folder: str | Path) -> None:
+    def load_adapter_folder(self, folder: str | Path, label: str | None = None) -> None:
         """Start from a saved peft LoRA (``adapter_model.safetensors``, e.g. an SFT run's ``lora/``);
-        its tensors must be exactly this policy's (same rank, alpha-independent shapes, targets)."""
+        its tensors must be exactly this policy's (same rank, alpha-independent shapes, targets).
+        ``label`` names the folder in errors (the URI it was downloaded from)."""
+        label = label or str(folder)
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
         from safetensors.torch import load_file
 
         path = Path(folder) / "adapter_model.safetensors"
         if not path.is_file():
-            raise FileNotFoundError(f"algorithm.init_lora={folder}: no adapter_model.safetensors there")
+            raise FileNotFoundError(f"algorithm.init_lora={label}: no adapter_model.safetensors there")
         state = load_file(str(path))
         expected = get_peft_model_state_dict(self.model)
         missing, unknown = set(expected) - set(state), set(state) - set(expected)
         bad = [k for k in set(state) & set(expected) if state[k].shape != expected[k].shape]
         if missing or unknown or bad:
             raise ValueError(
-                f"algorithm.init_lora={folder} does not fit this LoRA (model.lora_rank/targets): {len(missing)} "
+                f"algorithm.init_lora={label} does not fit this LoRA (model.lora_rank/targets): {len(missing)} "
                 f"missing, {len(unknown)} unknown, {len(bad)} mis-shaped tensors, e.g. {sorted(missing | unknown)[:2]}"
             )
         set_peft_model_state_dict(self.model, state)
