@@ -278,7 +278,10 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
     metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
                                        attempts=config.tracking.log_retries)
-    callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, trajectories), metrics_cb]
+    # algorithm.name=sft (a preset of its own) makes no rollouts: its trajectory folder stays empty
+    writers = [trajectories] if config.algorithm.name != "sft" else []
+    (folder.local / "trajectories").mkdir(parents=True, exist_ok=True)
+    callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, *writers), metrics_cb]
     with retryable_faults():
         result = run_training(config, folder.local, resume=resume, prompts=prompts, model_path=model_dir.download(),
                               callbacks=callbacks, allow_config_change=allow_change)

@@ -1,6 +1,7 @@
 """The Flyte workflow end to end, in-process (real local Flyte execution, real local Ray)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -159,6 +160,21 @@ def test_warm_start_runs_sft_then_rl_from_its_lora(grpo, tmp_path):
     assert {"sft", "workflow"} <= {r.data.tags["diffusionrl.stage"] for r in tagged}  # later stages inherit the tag
     stage = next(r for r in tagged if r.data.tags["diffusionrl.stage"] == "sft")
     assert len(client.get_metric_history(stage.info.run_id, "train/loss")) == 2
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu-dance", "tiny-cpu-grpo-guard", "tiny-cpu-dppo", "tiny-cpu-awm",
+                                    "tiny-cpu-dpo", "tiny-cpu-sft"])
+def test_every_objective_preset_runs_through_the_workflow(grpo, preset, tmp_path):
+    from diffusionrl.config import get_preset
+
+    cfg = get_preset(preset)
+    ckpt = tmp_path / "ckpt"
+    out = grpo(config=cfg, overrides=SMALL + ["train.steps=1", "eval.num_prompts=1"], checkpoint_dir=str(ckpt))
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1.0] and math.isfinite(rows[0]["train/policy_loss"])
+    assert json.loads((ckpt / "config.json").read_text())["algorithm"]["name"] == cfg.algorithm.name
+    assert (Path(out.lora.path) / "adapter_model.safetensors").is_file() and out.registered.version
+    assert {"eval/reward_mean", "eval/base_reward_mean"} <= set(out.eval_summary)
 
 
 def test_a_bad_warm_start_setting_fails_before_anything_runs(grpo):
