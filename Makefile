@@ -72,6 +72,7 @@ bench: setup $(SGLANG_ENV)
 	$(BIN)/python bench/rewards.py
 	$(BIN)/python bench/pipeline_overhead.py
 	$(BIN)/python bench/sglang_vs_local.py
+	$(BIN)/python bench/sft.py
 
 # On a GPU machine only (never in CI): CUDA IPC push, rollout images/s and train step time for an
 # SD3.5-medium-sized transformer; the JSON goes to bench/results/ with the date.

@@ -75,7 +75,7 @@ def test_a_unit_is_the_flow_matching_loss_on_the_encoded_pairs(sft):
     sl = batch.micro_batches()[1]
     with torch.no_grad():
         loss, stats = objective._make(batch, sl, step=0, epoch=0)()
-        t, eps = objective.draws(range(sl.start, sl.stop), 0, 0, tuple(batch.latents.shape[1:]))
+        t, eps = objective.draws(range(sl.start, sl.stop), (0, 0), tuple(batch.latents.shape[1:]))
         x0 = batch.latents[sl]
         x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
         v = adapter.velocity(objective.policy.model, x_t, t * 1000, batch.conditioning.select(sl), 1.0)
@@ -138,3 +138,19 @@ def test_configuration_fails_closed(tmp_path):
         tiny_config("train.world_size=2", "train.prompts_per_step=4", preset=SFT)
     with pytest.raises(FileNotFoundError, match="init_lora"):
         build_loop(tiny_config(f"algorithm.init_lora={tmp_path}"), tmp_path / "x", progress=False)
+
+
+def test_sft_lowers_the_flow_matching_loss_on_held_out_pairs(tmp_path):
+    from diffusionrl.data_sft import shape_pairs
+
+    cfg = tiny_config("train.steps=4", "train.learning_rate=1e-2", "train.checkpoint_every=0", preset=SFT)
+    loop = build_loop(cfg, tmp_path, progress=False)
+    objective = loop.backend.worker.objective
+    held = loop.backend.encode(shape_pairs(8, cfg.sampling.resolution, cfg.data.seed + 1))  # other pictures
+    before = objective.held_out_loss(held)
+    assert objective.held_out_loss(held) == before  # the same draws every call
+    for step in range(cfg.train.steps):
+        loop.run_step(step)
+    after = objective.held_out_loss(held)
+    loop.close()
+    assert after < 0.95 * before, (before, after)

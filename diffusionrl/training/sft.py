@@ -37,6 +37,7 @@ from .trainer import Trainer, Unit, UpdateStats
 _TIME_STREAM = 0x534654  # "SFT"
 _NOISE_STREAM = 0x53464E  # "SFN"
 _ORDER_STREAM = 0x53464F  # "SFO"
+_HELDOUT_KEY = 0x534648  # "SFH": the draws of held_out_loss (a key no (step, epoch) pair has)
 
 
 @dataclass
@@ -63,28 +64,41 @@ class SFTObjective:
         self.adapter = policy.adapter
         self.num_train_timesteps = float(self.adapter.scheduler.config.num_train_timesteps)
 
-    def draws(self, rows: range, step: int, epoch: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sample of the step: ``t`` (logit-normal) ``[n]`` and ``eps`` ``[n, C, h, w]``, float32."""
+    def draws(self, rows: range, key: tuple[int, ...], shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample: ``t`` (logit-normal) ``[n]`` and ``eps`` ``[n, C, h, w]``, float32, keyed by
+        ``(train.seed, *key, sample)``; ``key`` is ``(step, inner epoch)`` in training."""
         seed = self.cfg.train.seed
-        t = [1 / (1 + np.exp(-np.random.default_rng([_TIME_STREAM, seed, step, epoch, i]).standard_normal()))
+        t = [1 / (1 + np.exp(-np.random.default_rng([_TIME_STREAM, seed, *key, i]).standard_normal()))
              for i in rows]
-        eps = [np.random.default_rng([_NOISE_STREAM, seed, step, epoch, i]).standard_normal(shape, dtype=np.float32)
+        eps = [np.random.default_rng([_NOISE_STREAM, seed, *key, i]).standard_normal(shape, dtype=np.float32)
                for i in rows]
         return torch.tensor(t, dtype=torch.float32), torch.from_numpy(np.stack(eps))
+
+    def errors(self, batch: SFTBatch, sl: slice, key: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flow-matching errors ``[n]`` of the pairs ``sl`` of ``batch`` and their ``t``."""
+        device = self.adapter.device
+        x0 = batch.latents[sl].to(device)
+        t, eps = self.draws(range(sl.start, sl.stop), key, tuple(x0.shape[1:]))
+        t, eps = t.to(device), eps.to(device)
+        x_t = noisy_latents(x0, eps, t)
+        cond = batch.conditioning.select(sl).to(device)
+        v = self.adapter.velocity(self.policy.model, x_t, t * self.num_train_timesteps, cond, 1.0)
+        return flow_matching_error(v, x0, eps), t
+
+    @torch.no_grad()
+    def held_out_loss(self, batch: SFTBatch) -> float:
+        """The mean flow-matching loss on ``batch`` (pairs never trained on) at draws keyed by
+        ``train.seed`` alone, not by a step: the same pairs score on the same ``t`` and ``eps`` before
+        and after training, so the two values compare."""
+        errors = [self.errors(batch, sl, (_HELDOUT_KEY,))[0] for sl in batch.micro_batches()]
+        return float(torch.cat(errors).mean()) if errors else float("nan")
 
     def units(self, batch: SFTBatch, chunks: list[slice], step: int, epoch: int) -> list[Unit]:
         return [Unit(float(sl.stop - sl.start), self._make(batch, sl, step, epoch)) for sl in chunks]
 
     def _make(self, batch: SFTBatch, sl: slice, step: int, epoch: int):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            device = self.adapter.device
-            x0 = batch.latents[sl].to(device)
-            t, eps = self.draws(range(sl.start, sl.stop), step, epoch, tuple(x0.shape[1:]))
-            t, eps = t.to(device), eps.to(device)
-            x_t = noisy_latents(x0, eps, t)
-            cond = batch.conditioning.select(sl).to(device)
-            v = self.adapter.velocity(self.policy.model, x_t, t * self.num_train_timesteps, cond, 1.0)
-            error = flow_matching_error(v, x0, eps)
+            error, t = self.errors(batch, sl, (step, epoch))
             with torch.no_grad():
                 stats = {"loss": error.detach().sum(), "sft_t_mean": t.sum()}
             return error.sum(), stats
