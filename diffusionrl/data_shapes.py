@@ -45,6 +45,10 @@ CATEGORIES = ("single", "two", "counting", "colors", "position", "color_attr")
 NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four"}
 PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles"}
 POSITION_THRESHOLD = 0.1  # GenEval's
+# The split builtin:tiny-sd3-shapes was pretrained on (its held-out prompts never drawn): the
+# tiny-cpu-shapes preset's data.test_fraction and data.seed.
+DEFAULT_TEST_FRACTION = 0.2
+DEFAULT_SPLIT_SEED = 0
 
 
 def _obj(shape: str, color: str | None = None, count: int = 1) -> dict[str, Any]:
