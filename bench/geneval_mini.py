@@ -96,7 +96,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.compare:
         budget = args.budget_s if args.budget_s is not None else 600.0
-        _common.emit({a: run(a, args.steps, budget, args.eval_repeats, args.overrides) for a in args.compare.split(",")})
+        names = args.compare.split(",")
+        _common.emit({a: run(a, args.steps, budget, args.eval_repeats, args.overrides) for a in names})
     else:
         _common.emit(run(None, args.steps, args.budget_s, args.eval_repeats, args.overrides))
 

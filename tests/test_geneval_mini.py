@@ -79,3 +79,21 @@ def test_prompts_without_a_spec_are_a_data_error_and_bad_images_score_zero():
     total, parts = scorer(np.zeros((2, 8, 8, 1), np.uint8), ["a circle", "a circle"], [{"spec": "{}"}, {}])
     assert total.tolist() == [0.0, 0.0] and parts["geneval_mini"].failures == 2
     assert set(COLORS) == {"red", "green", "blue", "yellow"}
+
+
+def test_report_shows_the_per_category_table_and_prompts_side_by_side():
+    import pandas as pd
+
+    from diffusionrl.report import build_report, category_table
+
+    table = pd.DataFrame({"prompt": ["a circle", "three squares", "two circles"],
+                          "category": ["single", "counting", "counting"],
+                          "base_geneval_mini_success": [1.0, 0.0, 0.0], "tuned_geneval_mini_success": [1.0, 1.0, 0.0]})
+    per = category_table(table).set_index("category")
+    assert per.loc["counting", "base"] == 0.0 and per.loc["counting", "tuned"] == 0.5
+    assert per.loc["overall", "prompts"] == 3 and per.loc["overall", "gain"] == pytest.approx(1 / 3)
+    assert category_table(table.drop(columns="category")) is None
+    grid = np.zeros((2 * 16, 3 * 16, 3), np.uint8)
+    page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=None, grid=grid)
+    assert "Accuracy per category" in page and "three squares" in page
+    assert page.count("<img") == 6 and page.count("&#10003;") == 3  # base + tuned per prompt, 3 successes

@@ -133,7 +133,8 @@ class Pretrainer:
             for g in self.vae_opt.param_groups:
                 g["lr"] = _lr(step, a.vae_lr, 100, a.vae_steps)
             dist = self.vae.encode(x).latent_dist
-            recon = self.vae.decode(dist.sample()).sample
+            gen = torch.Generator().manual_seed(a.seed * 1_000_003 + 900_000 + step)  # a resume draws the same
+            recon = self.vae.decode(dist.sample(generator=gen)).sample
             loss = torch.nn.functional.mse_loss(recon, x) + a.kl_weight * dist.kl().mean() / dist.mean[0].numel()
             self.vae_opt.zero_grad(set_to_none=True)
             loss.backward()
