@@ -4,10 +4,10 @@ Trains the ``tiny-cpu-shapes`` preset (Flow-GRPO + the ``geneval_mini`` reward o
 for ``--steps`` steps or until ``--budget-s`` seconds of training are spent, then evaluates the base
 model and the tuned LoRA on every held-out prompt, ``--eval-repeats`` seeds each (ODE sampling, the
 same seeds for both), and prints one JSON line: base and tuned accuracy overall and per category
-(GenEval's success rate), the gain, the training steps and wall time, the training reward/accuracy
-per step. With ``--compare flow_grpo,nft,...`` each objective runs on the same budget with its own
-preset's change set (``tiny-cpu-<name>``, as bench/learning.py) laid under the shapes task, and the
-result is {"flow_grpo": {...}, "nft": {...}}.
+(GenEval's success rate), the gain, the training steps and wall time, the training reward and
+accuracy per step (one progress line per step goes to stderr). With ``--compare flow_grpo,nft,...``
+each objective runs on the same budget with its own preset's change set (``tiny-cpu-<name>``, as
+bench/learning.py) laid under the shapes task, and the result is {"flow_grpo": {...}, "nft": {...}}.
 
     python bench/geneval_mini.py [--steps N] [--budget-s S] [--eval-repeats K] [--compare a,b,...]
                                  [--set key=value ...]
@@ -16,6 +16,7 @@ result is {"flow_grpo": {...}, "nft": {...}}.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 
@@ -61,6 +62,10 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         t0 = time.perf_counter()
         while loop.step < cfg.train.steps and not (budget_s is not None and time.perf_counter() - t0 >= budget_s):
             loop.run_step(loop.step)
+            m = loop.history[-1]
+            accuracy = m.get("rollout/reward/geneval_mini_accuracy", float("nan"))
+            print(f"{name or 'flow_grpo'} step {loop.step}: reward {m['rollout/reward/raw_mean']:.3f} accuracy "
+                  f"{accuracy:.3f} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         wall = time.perf_counter() - t0
         lora_dir, _ = loop.backend.save_outputs(loop.step)
         loop.close()
