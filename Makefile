@@ -44,7 +44,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-# The main job on the embedded default (tiny-cpu): the Flyte workflow, executed locally. The
+# The main job on the embedded default (tiny-cpu-shapes: GenEval in miniature, the base model's
+# weights ship with the code, nothing is pretrained here): the Flyte workflow, executed locally. The
 # MLflow store (runs/mlflow) is kept across demos: each demo registers a new version that must
 # beat the current @champion to replace it.
 demo: setup

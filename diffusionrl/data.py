@@ -3,21 +3,20 @@
 Sources (``data.source``):
 - ``builtin:objects``: a small generator of object/scene prompts (the tiny-model default);
 - ``builtin:ocr``: OCR text-rendering prompts (``diffusionrl.data_ocr``);
-- a ``.txt`` file (one prompt a line), a ``.jsonl`` file (``{"prompt": ..., <metadata>}`` a line),
-  a ``.parquet`` file (a ``prompt`` column plus metadata columns);
-- a folder in the flowgrpo layout: one ``train`` and one ``test`` file of the kinds above (any
-  pair, e.g. ``train.jsonl`` + ``test.txt``), whose own split is kept;
+- ``builtin:shapes``: the shapes world's prompts with their specs (``diffusionrl.data_shapes``);
+- a ``.txt`` file (one prompt a line), a ``.jsonl`` file (``{"prompt": ..., <metadata>}`` a line), a
+  ``.parquet`` file (a ``prompt`` column plus metadata columns); a folder in the flowgrpo layout: one
+  ``train`` and one ``test`` file of those kinds (e.g. ``train.jsonl`` + ``test.txt``), its split kept;
 - ``hf://datasets/<owner>/<repo>/<path>[@revision]``: a file of a Hugging Face dataset repo,
   downloaded with ``HF_TOKEN`` (unreachable offline; same parsers).
 
-Malformed rows raise ``PromptDataError`` (a ``diffusionrl.errors.UserError``) naming the file and
-line, and so do the reward's own prompt checks (e.g. an OCR prompt without a quoted text). A UTF-8
-byte-order mark is dropped. Blank and duplicate prompts are dropped and counted (a test row that
-repeats a training prompt is a duplicate). Every source must give both splits, non-empty and
-disjoint, or ``load_prompts`` fails saying why; it runs before any model is loaded (``train.build_loop``,
-and the workflow's ``prepare_prompts``, which the checkpoint fetch waits for). The split of a
-single file or generator is by a hash of each prompt's text, so it does not depend on row order and
-a prompt never moves between train and test when rows are added.
+Malformed rows raise ``PromptDataError`` (a ``diffusionrl.errors.UserError``) naming the file and line, and so
+do the reward's own prompt checks (e.g. an OCR prompt without a quoted text). A UTF-8 byte-order mark is
+dropped. Blank and duplicate prompts are dropped and counted (a test row that repeats a training prompt is a
+duplicate). Every source must give both splits, non-empty and disjoint, or ``load_prompts`` fails saying why;
+it runs before any model is loaded (``train.build_loop``, and the workflow's ``prepare_prompts``, which the
+checkpoint fetch waits for). The split of a single file or generator is by a hash of each prompt's text, so it
+does not depend on row order and a prompt never moves between train and test when rows are added.
 """
 
 from __future__ import annotations
@@ -268,25 +267,18 @@ def source_fingerprint(source: str) -> str:
 def load_prompts(data_cfg, validate=None) -> PromptSet:
     """Load, validate and split the prompts of ``data_cfg`` (a ``DataConfig``).
 
-    ``validate(rows, where, locations=None)`` is an extra check (e.g. the OCR reward needs a quoted
-    span; ``rewards.prompt_validator``); ``locations[i]`` names row i's file and line. Its
-    ``ValueError`` becomes a ``PromptDataError``. Both splits must be non-empty and disjoint.
+    ``validate(rows, where, locations=None)`` is an extra check (e.g. the OCR reward needs a quoted span;
+    ``rewards.prompt_validator``); ``locations[i]`` names row i's file and line. Its ``ValueError``
+    becomes a ``PromptDataError``. Both splits must be non-empty and disjoint.
     """
     source = data_cfg.source
     stats: dict[str, int] = {}
-    if source == "builtin:objects":
-        train, test = split_rows(generate_object_prompts(data_cfg.num_prompts, data_cfg.seed),
-                                 data_cfg.test_fraction, data_cfg.seed)
-        _validate(validate, train, f"{source} (train)")
-        _validate(validate, test, f"{source} (test)")
-    elif source == "builtin:ocr":
-        from diffusionrl.data_ocr import generate_ocr_prompts
-
-        train, test = generate_ocr_prompts(data_cfg.num_prompts, data_cfg.seed, data_cfg.test_fraction)
+    if source in BUILTIN_SOURCES:
+        train, test = _generated(source, data_cfg)
         _validate(validate, train, f"{source} (train)")
         _validate(validate, test, f"{source} (test)")
     elif source.startswith("builtin:"):
-        raise PromptDataError(f"unknown built-in prompt generator {source!r}; use builtin:objects or builtin:ocr")
+        raise PromptDataError(f"unknown built-in prompt generator {source!r}; use {', '.join(BUILTIN_SOURCES)}")
     else:
         path = _local_path(source)
         if path.is_dir():
@@ -298,11 +290,23 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
             _validate(validate, [r for _, r in located], source, [w for w, _ in located])
             train, test = split_rows([r for _, r in located], data_cfg.test_fraction, data_cfg.seed)
     _check_splits(source, train, test, data_cfg.test_fraction)
-    stats.update({"train": len(train), "test": len(test),
-                  "blank": stats.get("blank", 0), "duplicate": stats.get("duplicate", 0)})
+    stats.update(train=len(train), test=len(test), blank=stats.get("blank", 0), duplicate=stats.get("duplicate", 0))
     if stats["blank"] or stats["duplicate"]:
         log.warning("%s: dropped %d blank and %d duplicate prompts", source, stats["blank"], stats["duplicate"])
     return PromptSet(train=train, test=test, source=source, stats=stats)
+
+
+BUILTIN_SOURCES = ("builtin:objects", "builtin:ocr", "builtin:shapes")
+
+
+def _generated(source: str, cfg) -> tuple[list[dict], list[dict]]:
+    """The train and test rows of a built-in generator (``cfg``: the ``DataConfig``)."""
+    if source == "builtin:objects":
+        return split_rows(generate_object_prompts(cfg.num_prompts, cfg.seed), cfg.test_fraction, cfg.seed)
+    from diffusionrl.data_ocr import generate_ocr_prompts
+    from diffusionrl.data_shapes import generate_shape_prompts
+    generate = generate_ocr_prompts if source == "builtin:ocr" else generate_shape_prompts
+    return generate(cfg.num_prompts, cfg.seed, cfg.test_fraction)
 
 
 def _local_path(source: str) -> Path:

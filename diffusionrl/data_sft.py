@@ -6,8 +6,8 @@ Sources (``algorithm.sft_source``):
   and its prompt (``prompt`` or ``text``);
 - a ``.parquet`` file with a ``prompt`` (or ``text``) column and an ``image`` column of encoded
   image bytes (PNG/JPEG/WebP), or of ``{"bytes": ...}`` structs as Hugging Face datasets store them;
-- ``builtin:shapes`` (``builtin:shapes:N``): N seeded pictures of a coloured disc or square on a
-  plain background with their prompts, for tests and the tiny preset.
+- ``builtin:shapes`` (``builtin:shapes:N``): N seeded scenes of the shapes world (``diffusionrl.data_shapes``:
+  1-4 coloured circles, squares, triangles on white) with their prompts, for tests and the tiny preset.
 
 Every row becomes ``{"prompt": str, "image": uint8 [resolution, resolution, 3]}`` (centre-cropped
 to a square, resized with Lanczos). A bad row is a ``PromptDataError`` naming its file and line.
@@ -24,10 +24,6 @@ import numpy as np
 
 from diffusionrl.data import PromptDataError
 
-_COLOURS = {"red": (220, 40, 40), "green": (40, 180, 70), "blue": (40, 80, 220), "yellow": (235, 215, 40),
-            "white": (245, 245, 245), "black": (15, 15, 15)}
-_SHAPES = ("disc", "square")
-
 
 def to_square(image, resolution: int) -> np.ndarray:
     """A PIL image, centre-cropped to a square and resized to ``resolution``, as uint8 ``[H, W, 3]``."""
@@ -41,21 +37,11 @@ def to_square(image, resolution: int) -> np.ndarray:
 
 
 def shape_pairs(num: int, resolution: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``num`` seeded pictures of a coloured disc or square on another colour, with their prompts."""
-    rng = np.random.default_rng(seed)
-    names = list(_COLOURS)
-    yy, xx = np.mgrid[0:resolution, 0:resolution] + 0.5
-    rows = []
-    for _ in range(num):
-        fg, bg = rng.choice(len(names), size=2, replace=False)
-        shape = _SHAPES[int(rng.integers(len(_SHAPES)))]
-        cx, cy = rng.uniform(0.35, 0.65, size=2) * resolution
-        r = rng.uniform(0.15, 0.3) * resolution
-        inside = ((xx - cx) ** 2 + (yy - cy) ** 2 <= r**2) if shape == "disc" else (
-            (abs(xx - cx) <= r) & (abs(yy - cy) <= r))
-        image = np.where(inside[..., None], _COLOURS[names[fg]], _COLOURS[names[bg]]).astype(np.uint8)
-        rows.append({"prompt": f"a {names[fg]} {shape} on a {names[bg]} background", "image": image})
-    return rows
+    """``num`` seeded scenes of the shapes world (``diffusionrl.data_shapes``, all its prompts) with
+    their prompts."""
+    from diffusionrl.data_shapes import scene_pairs, shape_prompts
+
+    return [{"prompt": p["prompt"], "image": p["image"]} for p in scene_pairs(shape_prompts(), num, resolution, seed)]
 
 
 def _prompt_of(obj: dict, where: str) -> str:

@@ -1,4 +1,8 @@
-"""Evaluation: deterministic (ODE) sampling on held-out prompts, base model vs LoRA, same seeds."""
+"""Evaluation: deterministic (ODE) sampling on held-out prompts, base model vs LoRA, same seeds.
+
+Prompt rows with a ``category`` (the shapes world's) give the table a category column, and a reward's
+per-sample values (``RewardResult.per_sample``, e.g. geneval_mini's success) are averaged per category.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ from diffusionrl.rollout.local import LocalRolloutEngine
 
 @dataclass
 class EvalResult:
-    table: pd.DataFrame  # one row per prompt: base_* and tuned_* rewards, win
-    summary: dict[str, float]  # eval/<reward>_mean (tuned), eval/base_<reward>_mean, eval/win_rate, ...
+    table: pd.DataFrame  # one row per prompt: base_* and tuned_* rewards (and per-sample values), win
+    # eval/<reward>_mean (tuned), eval/base_<reward>_mean, eval/win_rate, ...; a reward's per-sample
+    # values (geneval_mini's success) as eval/[base_]<reward>_<key> overall and .../<category> per category
+    summary: dict[str, float]
     grid: np.ndarray  # uint8 image grid: base row above tuned row, per prompt columns
     base_images: np.ndarray
     tuned_images: np.ndarray
@@ -76,11 +82,22 @@ def evaluate_lora(
         scorer.close()
     table = pd.DataFrame({"prompt": prompts, "seed": seeds, "base_reward": base_total, "tuned_reward": tuned_total})
     summary: dict[str, float] = {}
+    if all("category" in m for m in metadata):
+        table.insert(1, "category", [m["category"] for m in metadata])
     for name in cfg.reward.weights:
         table[f"base_{name}"] = base_parts[name].scores
         table[f"tuned_{name}"] = tuned_parts[name].scores
         summary[f"eval/{name}_mean"] = float(np.mean(tuned_parts[name].scores))
         summary[f"eval/base_{name}_mean"] = float(np.mean(base_parts[name].scores))
+        for key in tuned_parts[name].per_sample:  # e.g. geneval_mini's success: accuracy overall and per category
+            for side, parts in (("base", base_parts), ("tuned", tuned_parts)):
+                column = f"{side}_{name}_{key}"
+                table[column] = np.asarray(parts[name].per_sample[key], dtype=float)
+                prefix = f"eval/{'base_' if side == 'base' else ''}{name}_{key}"
+                summary[prefix] = float(table[column].mean())
+                if "category" in table:
+                    for category, value in table.groupby("category")[column].mean().items():
+                        summary[f"{prefix}/{category}"] = float(value)
     table["win"] = (table["tuned_reward"] > table["base_reward"]).astype(float)
     table.loc[table["tuned_reward"] == table["base_reward"], "win"] = 0.5
     summary.update(

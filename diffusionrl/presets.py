@@ -171,9 +171,24 @@ TINY_CPU_SFT: dict[str, Any] = {
     "eval": {"guidance_scale": 1.0},
 }
 
+# Over TINY_CPU: GenEval in miniature, the `make demo` default. Flow-GRPO on builtin:tiny-sd3-shapes
+# (pretrained on the shapes world by diffusionrl.models.pretrain) with the geneval_mini reward
+# (partial credit per image; success = the whole prompt right) on builtin:shapes prompts; the split
+# is the one the model was pretrained on (its held-out prompts never drawn), all held-out prompts are
+# evaluated. bench/geneval_mini.py measures base vs tuned accuracy per category.
+TINY_CPU_SHAPES: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-sd3-shapes", "max_sequence_length": 16},
+    "reward": {"weights": {"geneval_mini": 1.0}},
+    "data": {"source": "builtin:shapes", "num_prompts": 256, "test_fraction": 0.2, "seed": 0},
+    "train": {"learning_rate": 3e-3},
+    "eval": {"num_prompts": 0},
+    "tracking": {"registered_model": "tiny-sd3-shapes"},
+}
+
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu": (TINY_CPU,),
+    "tiny-cpu-shapes": (TINY_CPU, TINY_CPU_SHAPES),
     "tiny-cpu-sglang": (TINY_CPU, TINY_CPU_SGLANG),
     "tiny-cpu-ocr": (TINY_CPU, TINY_CPU_OCR),
     "sd35m-ocr": (SD35M_GPU, SD35M_OCR),

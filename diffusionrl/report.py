@@ -1,4 +1,8 @@
-"""The run report: one self-contained HTML page (config, curves, eval table, grids, artifacts)."""
+"""The run report: one self-contained HTML page (config, curves, eval table, grids, artifacts).
+
+On the shapes world (an evaluation table with categories and geneval_mini successes) it shows
+GenEval's per-category accuracy table, base vs tuned, and each held-out prompt's base and tuned image
+side by side with their verdicts."""
 
 from __future__ import annotations
 
@@ -58,6 +62,43 @@ def curves_png(metrics: pd.DataFrame) -> np.ndarray | None:
     return image
 
 
+def category_table(eval_table: pd.DataFrame | None) -> pd.DataFrame | None:
+    """GenEval's table: per category (and overall) the prompts and the base and tuned accuracy, from an
+    evaluation table with a ``category`` column and ``base_<reward>_success`` / ``tuned_<reward>_success``
+    columns (geneval_mini's); None for other tables."""
+    if eval_table is None or "category" not in eval_table:
+        return None
+    base = next((c for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")), None)
+    if base is None:
+        return None
+    tuned = "tuned_" + base[len("base_"):]
+    table = eval_table.groupby("category").agg(prompts=("prompt", "size"), base=(base, "mean"), tuned=(tuned, "mean"))
+    table.loc["overall"] = [len(eval_table), eval_table[base].mean(), eval_table[tuned].mean()]
+    table["gain"] = table["tuned"] - table["base"]
+    return table.reset_index()
+
+
+def _side_by_side(eval_table: pd.DataFrame, grid: np.ndarray) -> list[str]:
+    """One row per held-out prompt: its category, the base and the tuned image (cut from the eval grid:
+    base row above tuned row, one column per prompt) and whether each succeeded."""
+    n = len(eval_table)
+    h, w = grid.shape[0] // 2, grid.shape[1] // n
+    success = next((c[len("base_"):] for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")),
+                   None)
+    rows = ["<table><tr><th>prompt</th><th>category</th><th>base</th><th>tuned</th></tr>"]
+    for i, row in enumerate(eval_table.itertuples(index=False)):
+        cells = []
+        for side, image in (("base", grid[:h, i * w:(i + 1) * w]), ("tuned", grid[h:, i * w:(i + 1) * w])):
+            mark = ""
+            if success is not None:
+                ok = getattr(row, f"{side}_{success}") >= 0.5
+                mark = f"<br><span class='{'ok' if ok else 'bad'}'>{'&#10003;' if ok else '&#10007;'}</span>"
+            cells.append(f"<td>{_img(image, side, width=3 * w)}{mark}</td>")
+        rows.append(f"<tr><td>{html.escape(str(row.prompt))}</td><td>{html.escape(str(row.category))}</td>"
+                    f"{''.join(cells)}</tr>")
+    return rows + ["</table>"]
+
+
 def build_report(
     *,
     config: dict[str, Any],
@@ -94,7 +135,13 @@ def build_report(
         parts.append("<h2>Evaluation summary</h2><table>")
         parts += [f"<tr><th>{html.escape(k)}</th><td>{v:.6g}</td></tr>" for k, v in sorted(eval_summary.items())]
         parts.append("</table>")
-    if grid is not None:
+    per_category = category_table(eval_table)
+    if per_category is not None:
+        parts += ["<h2>Accuracy per category (held-out prompts): base vs tuned</h2>",
+                  per_category.to_html(index=False, float_format=lambda x: f"{x:.2f}")]
+    if grid is not None and per_category is not None and len(eval_table):
+        parts += ["<h2>Held-out prompts: base vs tuned, same seeds</h2>", *_side_by_side(eval_table, grid)]
+    elif grid is not None:
         parts += ["<h2>Held-out prompts: base (top) vs tuned (bottom), same seeds</h2>",
                   _img(grid, "eval grid", width=min(1400, grid.shape[1] * 2))]
     if eval_table is not None and not eval_table.empty:

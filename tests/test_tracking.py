@@ -20,8 +20,12 @@ import torch
 from mlflow import MlflowClient
 
 from diffusionrl import registry, tracking
+from diffusionrl.config import get_preset
 
 from .conftest import TINY_OVERRIDES, tiny_config
+
+# The workflow's default is tiny-cpu-shapes (the demo); these tests run the faster JPEG task.
+TINY_CPU = get_preset("tiny-cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "secret-value-7f3a9c"
@@ -88,9 +92,9 @@ def runs(server, grpo, tmp_path_factory):
     mp.setenv("HF_TOKEN", SECRET)
     try:
         good_dir = tmp_path_factory.mktemp("good")
-        good = grpo(overrides=GOOD, checkpoint_dir=str(good_dir))
+        good = grpo(config=TINY_CPU, overrides=GOOD, checkpoint_dir=str(good_dir))
         mp.delenv("HF_TOKEN")
-        worse = grpo(overrides=WORSE, checkpoint_dir=str(tmp_path_factory.mktemp("worse")))
+        worse = grpo(config=TINY_CPU, overrides=WORSE, checkpoint_dir=str(tmp_path_factory.mktemp("worse")))
     finally:
         mp.undo()
     return good, worse, good_dir
@@ -283,7 +287,7 @@ def test_unreachable_tracking_uri_fails_before_training(grpo, tmp_path):
     bad = f"http://127.0.0.1:{_free_port()}"
     ckpt = tmp_path / "run"
     with pytest.raises(Exception) as err:
-        grpo(overrides=SMALL + [f"tracking.uri={bad}"], checkpoint_dir=str(ckpt))
+        grpo(config=TINY_CPU, overrides=SMALL + [f"tracking.uri={bad}"], checkpoint_dir=str(ckpt))
     assert bad in str(err.value) and "unreachable" in str(err.value)
     assert not (ckpt / "checkpoints").exists()  # training never started
 

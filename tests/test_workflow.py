@@ -14,9 +14,13 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
+from diffusionrl.config import get_preset
 from diffusionrl.trajectory_store import BASE_COLUMNS, read_trajectories
 
 from .conftest import TINY_OVERRIDES
+
+# The workflow's default is tiny-cpu-shapes (the demo); these tests run the faster JPEG task.
+TINY_CPU = get_preset("tiny-cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = TINY_OVERRIDES + ["train.steps=2", "data.num_prompts=24", "data.test_fraction=0.2", "eval.num_prompts=2"]
@@ -33,7 +37,7 @@ def grpo():
 @pytest.fixture(scope="module")
 def run(grpo, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("run")
-    out = grpo(overrides=SMALL, checkpoint_dir=str(ckpt))
+    out = grpo(config=TINY_CPU, overrides=SMALL, checkpoint_dir=str(ckpt))
     return out, ckpt
 
 
@@ -116,7 +120,7 @@ def test_malformed_prompt_file_fails_with_file_and_line(grpo, tmp_path):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "a cat"}\n{"prompt": "a dog"\n')
     with pytest.raises(Exception, match=r"prompts.jsonl:2: invalid JSON"):
-        grpo(overrides=SMALL + [f"data.source={bad}"])
+        grpo(config=TINY_CPU, overrides=SMALL + [f"data.source={bad}"])
 
 
 def test_killed_train_resumes_at_step_k_and_matches_uninterrupted(grpo, run, tmp_path, monkeypatch):
@@ -124,7 +128,7 @@ def test_killed_train_resumes_at_step_k_and_matches_uninterrupted(grpo, run, tmp
     ckpt = tmp_path / "ckpt"
     monkeypatch.setenv("DIFFUSIONRL_FAULT_AFTER_STEPS", "1")
     with pytest.raises(Exception, match="injected fault after 1 steps"):
-        grpo(overrides=SMALL, checkpoint_dir=str(ckpt))
+        grpo(config=TINY_CPU, overrides=SMALL, checkpoint_dir=str(ckpt))
     assert (ckpt / "checkpoints" / "step-000001" / "state.json").is_file()
     # the failure handler closed the execution's MLflow runs (workflow + stage runs) as FAILED
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
@@ -134,7 +138,7 @@ def test_killed_train_resumes_at_step_k_and_matches_uninterrupted(grpo, run, tmp
     assert {r.data.tags["diffusionrl.stage"] for r in failed} >= {"workflow", "train"}
     assert not client.search_runs([exp], "attributes.status = 'RUNNING'")
     monkeypatch.delenv("DIFFUSIONRL_FAULT_AFTER_STEPS")
-    resumed = grpo(overrides=SMALL, checkpoint_dir=str(ckpt))
+    resumed = grpo(config=TINY_CPU, overrides=SMALL, checkpoint_dir=str(ckpt))
     steps = [json.loads(x)["step"] for x in (ckpt / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1.0, 2.0]
     a = load_file(str(Path(uninterrupted.lora.path) / "adapter_model.safetensors"))

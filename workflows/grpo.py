@@ -1,6 +1,6 @@
 """The GRPO pipeline: prompts + checkpoint -> Ray training -> evaluation -> MLflow registry -> report.
 
-    pyflyte run workflows/grpo.py grpo                                   # embedded tiny-cpu defaults
+    pyflyte run workflows/grpo.py grpo                                   # embedded default: tiny-cpu-shapes
     pyflyte run workflows/grpo.py grpo --config configs/tiny-cpu.yaml --overrides '["train.steps=5"]'
     pyflyte run --remote workflows/grpo.py grpo --config configs/sd35m-ocr.yaml
 
@@ -76,7 +76,7 @@ from tasks.grpo import (
     train,
 )
 
-DEFAULT_CONFIG = get_preset("tiny-cpu")
+DEFAULT_CONFIG = get_preset("tiny-cpu-shapes")  # the demo: GenEval in miniature (docs/architecture.md)
 
 
 class GRPOOutputs(NamedTuple):

@@ -1,6 +1,7 @@
 """Resolve a model reference to a local diffusers folder plus a content digest.
 
-- ``builtin:tiny-sd3``: written in code (no download);
+- ``builtin:tiny-sd3``, ``builtin:tiny-sd3-shapes``: written in code (the latter from the weights this
+  package ships; no download);
 - a local folder: used in place (checked to be a diffusers pipeline folder);
 - a hub id (``stabilityai/stable-diffusion-3.5-medium``): ``snapshot_download`` at ``revision``
   with ``HF_TOKEN`` (gated models); the token is passed to the hub client only, never logged.
@@ -17,6 +18,9 @@ from pathlib import Path
 
 from .sd3 import hf_token
 from .tiny import TINY_REF, save_tiny_sd3
+from .tiny_shapes import SHAPES_REF, save_shapes_sd3
+
+BUILTIN_SAVERS = {TINY_REF: save_tiny_sd3, SHAPES_REF: save_shapes_sd3}
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +47,16 @@ def folder_digest(folder: str | Path) -> str:
 def fetch_model(reference: str, revision: str, dest: str | Path) -> Path:
     """A local diffusers folder for ``reference`` (``dest`` is used for builtin and hub models)."""
     dest = Path(dest)
-    if reference == TINY_REF:
-        return save_tiny_sd3(dest)
+    if reference in BUILTIN_SAVERS:
+        return BUILTIN_SAVERS[reference](dest)
     path = Path(reference).expanduser()
     if path.exists():
         if not (path / "model_index.json").is_file():
             raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
         return path
     if reference.startswith("builtin:"):
-        raise ValueError(f"unknown builtin model {reference!r}; the built-in image model is {TINY_REF!r}")
+        raise ValueError(f"unknown builtin model {reference!r}; the built-in image models are "
+                         f"{', '.join(BUILTIN_SAVERS)}")
     from huggingface_hub import snapshot_download
 
     log.info("downloading %s@%s", reference, revision or "main")

@@ -21,6 +21,10 @@ import torch
 from diffusionrl.trajectory import Conditioning
 
 from .tiny import TINY_REF, build_tiny_sd3_pipeline
+from .tiny_shapes import SHAPES_REF, build_shapes_pipeline
+
+# The models built in code (no download): reference -> pipeline builder.
+BUILTIN_PIPELINES = {TINY_REF: build_tiny_sd3_pipeline, SHAPES_REF: build_shapes_pipeline}
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,8 @@ def hf_token() -> str | None:
 
 
 def load_sd3_pipeline(reference: str, revision: str = "", dtype: str = "float32"):
-    """A ``StableDiffusion3Pipeline`` from ``builtin:tiny-sd3``, a local folder or a hub id.
+    """A ``StableDiffusion3Pipeline`` from a built-in model (``builtin:tiny-sd3``,
+    ``builtin:tiny-sd3-shapes``), a local folder or a hub id.
 
     Hub ids are loaded with ``revision`` and ``HF_TOKEN`` (SD3.5 is gated). Under
     ``HF_HUB_OFFLINE=1`` only the local cache is consulted.
@@ -79,11 +84,12 @@ def load_sd3_pipeline(reference: str, revision: str = "", dtype: str = "float32"
     from diffusers import StableDiffusion3Pipeline
 
     torch_dtype = DTYPES[dtype]
-    if reference == TINY_REF:
-        pipe = build_tiny_sd3_pipeline()
+    if reference in BUILTIN_PIPELINES:
+        pipe = BUILTIN_PIPELINES[reference]()
         return pipe.to(dtype=torch_dtype) if torch_dtype != torch.float32 else pipe
     if reference.startswith("builtin:"):
-        raise ValueError(f"unknown builtin model {reference!r}; the built-in image model is {TINY_REF!r}")
+        raise ValueError(f"unknown builtin model {reference!r}; the built-in image models are "
+                         f"{', '.join(BUILTIN_PIPELINES)}")
     path = Path(reference).expanduser()
     if path.exists():
         if not (path / "model_index.json").is_file():

@@ -21,7 +21,7 @@ TINY_REF = "builtin:tiny-sd3"
 
 # Words that get a single token in the tiny T5 vocabulary (the built-in prompt generators use them);
 # anything else falls back to characters.
-_WORDS = (
+_WORDS: tuple[str, ...] = tuple(
     "a an the of on in with and at by to from for is photo picture painting drawing sign poster label "
     "red green blue yellow orange purple pink black white brown gray golden silver small large tiny big "
     "old new bright dark shiny wooden metal glass paper stone cat dog bird fish horse car bus bike boat "
@@ -29,10 +29,11 @@ _WORDS = (
     "cake cup bottle book chair table lamp clock door window shirt hat shoe bag box ball robot castle "
     "bridge garden field desert snow rain night morning evening text word says saying written that reads "
     "neon store shop cafe menu board screen wall t-shirt mug card banner"
-).split()
+    .split()
+)
 
 
-def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _clip_vocab(words: tuple[str, ...] = _WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     chars = sorted(set(bytes_to_unicode().values()))
@@ -43,7 +44,7 @@ def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
         vocab.setdefault(c + "</w>", len(vocab))
     # A few merges so common words are short; the rest tokenizes per character.
     merges: list[tuple[str, str]] = []
-    for word in _WORDS:
+    for word in words:
         if not word.isalpha():
             continue
         piece = word[0]
@@ -58,10 +59,10 @@ def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def _t5_vocab() -> list[tuple[str, float]]:
+def _t5_vocab(words: tuple[str, ...] = _WORDS) -> list[tuple[str, float]]:
     vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     seen = {v for v, _ in vocab}
-    for word in _WORDS:
+    for word in words:
         piece = "\u2581" + word
         if piece not in seen:
             vocab.append((piece, -3.0))
@@ -74,12 +75,14 @@ def _t5_vocab() -> list[tuple[str, float]]:
     return vocab
 
 
-def build_tokenizers():
+def build_tokenizers(words: tuple[str, ...] = _WORDS, clip_max_length: int = 77):
+    """CLIP and T5 tokenizers in which each of ``words`` is one token (others: characters); the
+    pipeline pads CLIP embeddings to ``clip_max_length`` tokens."""
     from transformers import CLIPTokenizer, T5Tokenizer
 
-    vocab, merges = _clip_vocab()
-    clip = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
-    t5 = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=512)
+    vocab, merges = _clip_vocab(tuple(words))
+    clip = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=clip_max_length)
+    t5 = T5Tokenizer(vocab=_t5_vocab(tuple(words)), extra_ids=0, model_max_length=512)
     return clip, t5
 
 

@@ -31,6 +31,8 @@ class RewardResult:
     scores: np.ndarray  # [B] float32
     failures: int = 0  # samples that could not be scored and got 0
     info: dict[str, float] = field(default_factory=dict)  # extra per-batch statistics to log
+    # extra per-sample values ([B] arrays, e.g. geneval_mini's success): the evaluation table's columns
+    per_sample: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.scores = np.asarray(self.scores, dtype=np.float32).reshape(-1)

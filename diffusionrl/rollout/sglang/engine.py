@@ -63,6 +63,7 @@ class SGLangRolloutEngine:
         model_path: str | None = None,
         dtype: str = "float32",
         server: SGLangServer | None = None,
+        builtin: str = "builtin:tiny-sd3",
     ):
         """``server``: attach to a running server of the same base model instead of launching
         one (the engine then restarts it if it dies, but does not stop it on ``close``)."""
@@ -84,6 +85,7 @@ class SGLangRolloutEngine:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.workdir = Path(tempfile.mkdtemp(prefix="diffusionrl-sglang-"))
+        self.builtin = builtin
         self.owns_server = server is None
         if server is None:
             server = SGLangServer(
@@ -115,16 +117,17 @@ class SGLangRolloutEngine:
             max_restarts=sc.sglang_max_restarts,
             model_path=model_folder(cfg.model.name, adapter),
             dtype=cfg.model.dtype,
+            **({"builtin": cfg.model.name} if cfg.model.name.startswith("builtin:") else {}),
         )
 
     def _materialize_model(self) -> str:
-        """``builtin:tiny-sd3`` as a diffusers folder the server can load (the same weights as the
-        adapter's: the build is seeded; ``verify_weights`` checks the served base weights of the
-        LoRA layers and the module checksum at start)."""
-        from diffusionrl.models.tiny import save_tiny_sd3
+        """The built-in model (``builtin``: ``builtin:tiny-sd3`` or ``builtin:tiny-sd3-shapes``) as a
+        diffusers folder the server can load (the same weights as the adapter's: seeded build or shipped
+        file; ``verify_weights`` checks the served base weights of the LoRA layers and the module
+        checksum at start)."""
+        from diffusionrl.models.fetch import BUILTIN_SAVERS
 
-        path = save_tiny_sd3(self.workdir / "model")
-        return str(path)
+        return str(BUILTIN_SAVERS[self.builtin](self.workdir / "model"))
 
     # -- plumbing ------------------------------------------------------------------------------
     def _http(self):

@@ -1,0 +1,272 @@
+"""Pretrain ``builtin:tiny-sd3-shapes`` on the shapes world: ``python -m diffusionrl.models.pretrain``.
+
+Two stages, seeded and resumable (``--work`` holds ``state.pt``, written every ``--save-every`` steps
+and when the process is told to stop, e.g. by ``timeout``; a re-run with the same ``--work`` continues):
+
+1. the VAE: scenes of the training prompts (``data_shapes.world_splits``; held-out prompts are never
+   drawn), reconstruction MSE plus a small KL term, so that ``decode(encode(x))`` reproduces them;
+   then the latents' mean and std become the VAE's ``shift_factor`` and ``1 / scaling_factor``;
+2. the transformer by rectified-flow matching (SD3's objective: ``x_t = (1 - s) x_0 + s e``, target
+   ``e - x_0``, ``s`` logit-normal) on a bank of encoded scenes, conditioned on the frozen text
+   encoders' embeddings of each scene's prompt (10 % of them replaced by the empty prompt's, so that
+   classifier-free guidance works).
+
+``curves.jsonl`` gets one line per ``--log-every`` steps (stage, step, mean loss, wall seconds),
+``summary.json`` the wall time and final losses, ``--out`` the weights (safetensors; by default the
+file this package ships, ``models/tiny_sd3_shapes.safetensors``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffusionrl.data_shapes import DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, scene_pairs, world_splits
+
+from .tiny_shapes import MAX_SEQUENCE_LENGTH, SHAPES_WEIGHTS, TRAINED, build_shapes_pipeline
+
+log = logging.getLogger("diffusionrl.pretrain")
+
+
+TRANSFORMER_ARGS = ("lr", "bank", "cfg_dropout")
+
+
+class Stop(Exception):
+    """Raised (after saving) when a SIGTERM/SIGINT arrived."""
+
+
+def _images(batch) -> torch.Tensor:
+    return torch.as_tensor(np.stack([b["image"] for b in batch])).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
+def _lr(step: int, base: float, warmup: int, total: int) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return base * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+class Pretrainer:
+    def __init__(self, args):
+        self.args = args
+        self.work = Path(args.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(args.seed)
+        self.pipe = build_shapes_pipeline(weights=None)
+        self.vae, self.transformer = self.pipe.vae, self.pipe.transformer
+        self.train_rows, _ = world_splits(args.test_fraction, args.split_seed)
+        self.vae_opt = torch.optim.AdamW(self.vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+        self.tr_opt = torch.optim.AdamW(self.transformer.parameters(), lr=args.lr, weight_decay=0.0)
+        self.state = {"vae_step": 0, "tr_step": 0, "wall_s": 0.0, "stats": None}
+        self.stop = False
+        self.t0 = time.perf_counter()
+        self._load()
+
+    # -- state ---------------------------------------------------------------------------------------
+    def _load(self) -> None:
+        path = self.work / "state.pt"
+        if not path.is_file():
+            return
+        saved = torch.load(path, weights_only=False)
+        fixed = self._fixed_args()
+        if not saved["state"]["tr_step"]:  # the transformer's settings bind once its stage has started
+            fixed = {k: v for k, v in fixed.items() if k not in TRANSFORMER_ARGS}
+        changed = sorted(k for k in fixed if saved["args"].get(k) != fixed[k])
+        if changed:
+            raise SystemExit(f"{path} was written with other settings ({', '.join(changed)}: "
+                             f"{[saved['args'].get(k) for k in changed]}); use them or another --work")
+        self.vae.load_state_dict(saved["vae"])
+        self.vae_opt.load_state_dict(saved["vae_opt"])
+        self.state = saved["state"]
+        if self.state["tr_step"]:  # before its stage starts the transformer is the code's seeded init
+            self.transformer.load_state_dict(saved["transformer"])
+            self.tr_opt.load_state_dict(saved["tr_opt"])
+        log.warning("resumed %s at VAE step %d, transformer step %d", path, self.state["vae_step"],
+                    self.state["tr_step"])
+
+    def _fixed_args(self) -> dict:
+        a = vars(self.args)
+        return {k: a[k] for k in ("seed", "batch", "resolution", "vae_lr", "lr", "test_fraction", "split_seed",
+                                  "bank", "kl_weight", "cfg_dropout")}
+
+    def save(self) -> None:
+        self.state["wall_s"] += time.perf_counter() - self.t0
+        self.t0 = time.perf_counter()
+        tmp = self.work / "state.pt.tmp"
+        torch.save({"args": self._fixed_args(), "vae": self.vae.state_dict(),
+                    "transformer": self.transformer.state_dict(), "vae_opt": self.vae_opt.state_dict(),
+                    "tr_opt": self.tr_opt.state_dict(), "state": self.state}, tmp)
+        os.replace(tmp, self.work / "state.pt")
+
+    def _log(self, stage: str, step: int, losses: list[float]) -> None:
+        wall = self.state["wall_s"] + time.perf_counter() - self.t0
+        row = {"stage": stage, "step": step, "loss": float(np.mean(losses)), "wall_s": round(wall, 1)}
+        with (self.work / "curves.jsonl").open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    def _tick(self, stage: str, step: int, losses: list[float]) -> None:
+        a = self.args
+        if (step + 1) % a.log_every == 0:
+            self._log(stage, step + 1, losses[-a.log_every:])
+        if (step + 1) % a.save_every == 0 or self.stop:
+            self.save()
+        if self.stop:
+            raise Stop
+
+    # -- stages --------------------------------------------------------------------------------------
+    def train_vae(self) -> None:
+        a = self.args
+        self.vae.train().requires_grad_(True)
+        losses: list[float] = []
+        for step in range(self.state["vae_step"], a.vae_steps):
+            batch = scene_pairs(self.train_rows, a.batch, a.resolution, seed=a.seed * 1_000_003 + step)
+            x = _images(batch)
+            for g in self.vae_opt.param_groups:
+                g["lr"] = _lr(step, a.vae_lr, 100, a.vae_steps)
+            dist = self.vae.encode(x).latent_dist
+            gen = torch.Generator().manual_seed(a.seed * 1_000_003 + 900_000 + step)  # a resume draws the same
+            recon = self.vae.decode(dist.sample(generator=gen)).sample
+            loss = torch.nn.functional.mse_loss(recon, x) + a.kl_weight * dist.kl().mean() / dist.mean[0].numel()
+            self.vae_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.vae.parameters(), 1.0)
+            self.vae_opt.step()
+            losses.append(loss.item())
+            self.state["vae_step"] = step + 1
+            self.state.setdefault("vae_losses", []).append(loss.item())
+            self._tick("vae", step, losses)
+        self.vae.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def latent_bank(self) -> tuple[torch.Tensor, list[str]]:
+        """``--bank`` encoded training scenes (VAE posterior means) and their prompts, cached."""
+        a = self.args
+        path = self.work / f"bank-vae{self.state['vae_step']}.pt"
+        if path.is_file():
+            saved = torch.load(path)
+            return saved["latents"], saved["prompts"]
+        pairs = scene_pairs(self.train_rows, a.bank, a.resolution, seed=a.seed + 7)
+        latents = torch.cat([self.vae.encode(_images(pairs[i:i + 64])).latent_dist.mode()
+                             for i in range(0, len(pairs), 64)])
+        prompts = [p["prompt"] for p in pairs]
+        torch.save({"latents": latents, "prompts": prompts}, path)
+        return latents, prompts
+
+    def train_transformer(self) -> None:
+        a = self.args
+        raw, prompts = self.latent_bank()
+        if self.state["stats"] is None:
+            self.state["stats"] = {"shift_factor": float(raw.mean()), "scaling_factor": float(1 / raw.std())}
+        stats = self.state["stats"]
+        self.vae.register_to_config(**stats)
+        latents = (raw - stats["shift_factor"]) * stats["scaling_factor"]
+        unique = sorted(set(prompts)) + [""]
+        with torch.no_grad():
+            embeds, _, pooled, _ = self.pipe.encode_prompt(
+                prompt=unique, prompt_2=None, prompt_3=None, device="cpu", num_images_per_prompt=1,
+                do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH)
+        index = torch.tensor([unique.index(p) for p in prompts])
+        self.transformer.train().requires_grad_(True)
+        losses: list[float] = []
+        for step in range(self.state["tr_step"], a.transformer_steps):
+            gen = torch.Generator().manual_seed(a.seed * 1_000_003 + 500_000 + step)
+            pick = torch.randint(len(latents), (a.batch,), generator=gen)
+            x0 = latents[pick]
+            cond = index[pick].clone()
+            cond[torch.rand(a.batch, generator=gen) < a.cfg_dropout] = len(unique) - 1
+            sigma = torch.sigmoid(torch.randn(a.batch, generator=gen)).view(-1, 1, 1, 1)
+            noise = torch.randn(x0.shape, generator=gen)
+            xt = (1 - sigma) * x0 + sigma * noise
+            for g in self.tr_opt.param_groups:
+                g["lr"] = _lr(step, a.lr, 100, a.transformer_steps)
+            v = self.transformer(hidden_states=xt, timestep=sigma.view(-1) * 1000, encoder_hidden_states=embeds[cond],
+                                 pooled_projections=pooled[cond], return_dict=False)[0]
+            loss = torch.nn.functional.mse_loss(v, noise - x0)
+            self.tr_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.transformer.parameters(), 1.0)
+            self.tr_opt.step()
+            losses.append(loss.item())
+            self.state["tr_step"] = step + 1
+            self.state.setdefault("tr_losses", []).append(loss.item())
+            self._tick("transformer", step, losses)
+        self.transformer.eval().requires_grad_(False)
+
+    def export(self, out: Path) -> dict:
+        from safetensors.torch import save_file
+
+        tensors = {f"{name}.{k}": v.detach().contiguous().clone()
+                   for name in TRAINED for k, v in getattr(self.pipe, name).state_dict().items()}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out), metadata={"diffusionrl": json.dumps(self.state["stats"], sort_keys=True)})
+        self.save()
+        tail = self.args.log_every
+        summary = {
+            "wall_s": round(self.state["wall_s"], 1), "vae_steps": self.state["vae_step"],
+            "transformer_steps": self.state["tr_step"], "batch": self.args.batch, "seed": self.args.seed,
+            "vae_final_loss": float(np.mean(self.state.get("vae_losses", [np.nan])[-tail:])),
+            "transformer_final_loss": float(np.mean(self.state.get("tr_losses", [np.nan])[-tail:])),
+            "vae_first_loss": float(np.mean(self.state.get("vae_losses", [np.nan])[:tail])),
+            "transformer_first_loss": float(np.mean(self.state.get("tr_losses", [np.nan])[:tail])),
+            "out": str(out),
+        }
+        (self.work / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", default="runs/pretrain-shapes", help="state, curves and summary (resumed if present)")
+    ap.add_argument("--out", default=str(SHAPES_WEIGHTS), help="where the weights go (safetensors)")
+    ap.add_argument("--vae-steps", type=int, default=1500)
+    ap.add_argument("--transformer-steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--resolution", type=int, default=64)
+    ap.add_argument("--vae-lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-3, help="transformer learning rate")
+    ap.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the per-element VAE KL term")
+    ap.add_argument("--cfg-dropout", type=float, default=0.1, help="share of empty-prompt conditioning")
+    ap.add_argument("--bank", type=int, default=4096, help="encoded scenes the transformer trains on")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--test-fraction", type=float, default=DEFAULT_TEST_FRACTION, help="the held-out split to avoid")
+    ap.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT_SEED)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--save-every", type=int, default=100)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trainer = Pretrainer(args)
+
+    def on_signal(signum, _frame):
+        trainer.stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        trainer.train_vae()
+        trainer.train_transformer()
+    except Stop:
+        print(json.dumps({"stopped": True, "vae_step": trainer.state["vae_step"],
+                          "transformer_step": trainer.state["tr_step"], "work": str(trainer.work)}), flush=True)
+        return None
+    summary = trainer.export(Path(args.out))
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""``builtin:tiny-sd3-shapes``: a small SD3-architecture pipeline pretrained on the shapes world.
+
+The same real diffusers/transformers classes as ``builtin:tiny-sd3`` (SD3Transformer2DModel,
+AutoencoderKL with 16 latent channels and 8x spatial compression, two CLIPTextModelWithProjection,
+T5EncoderModel, FlowMatchEulerDiscreteScheduler), with a vocabulary of the world's words
+(``diffusionrl.data_shapes``) and a larger transformer (4 joint blocks of width 96, 1.3 M
+parameters) at 64 px (8x8 latents). ``build_shapes_components(weights=None)`` builds the modules
+from their seeded initialisation; with weights (the default: the file shipped in this package,
+``SHAPES_WEIGHTS``) it loads them. The weights are written by ``python -m diffusionrl.models.pretrain``
+(VAE, then transformer by flow matching; the text encoders stay at their seeded initialisation and are
+stored too, so the file alone fixes the model). The VAE's latent shift and scale are stored in the
+file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .tiny import build_tokenizers
+
+SHAPES_REF = "builtin:tiny-sd3-shapes"
+SHAPES_SEED = 20260601
+SHAPES_WEIGHTS = Path(__file__).with_name("tiny_sd3_shapes.safetensors")
+SHAPES_RESOLUTION = 64
+# Text tokens: T5 (model.max_sequence_length) and CLIP (its tokenizer's length, to which the pipeline
+# pads). The longest world prompt is 10 T5 and 17 CLIP tokens (the in-code BPE splits some words into
+# pieces); 24 + 16 text tokens beside 16 image tokens keep the transformer cheap.
+MAX_SEQUENCE_LENGTH = 16
+CLIP_MAX_LENGTH = 24
+WORDS = tuple("a of and left right above below one two three four circle circles square squares triangle "
+              "triangles red green blue yellow".split())
+TRAINED = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def _modules(clip_vocab: int, t5_vocab: int) -> dict[str, torch.nn.Module]:
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    def clip_encoder(k: int):
+        torch.manual_seed(SHAPES_SEED + k)
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=clip_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=77, projection_dim=32, bos_token_id=0,
+            eos_token_id=1, pad_token_id=1, hidden_act="gelu"))
+
+    modules: dict[str, torch.nn.Module] = {"text_encoder": clip_encoder(1), "text_encoder_2": clip_encoder(2)}
+    torch.manual_seed(SHAPES_SEED + 3)
+    modules["text_encoder_3"] = T5EncoderModel(T5Config(
+        vocab_size=t5_vocab, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0))
+    torch.manual_seed(SHAPES_SEED + 4)
+    modules["transformer"] = SD3Transformer2DModel(
+        sample_size=SHAPES_RESOLUTION // 8, patch_size=2, in_channels=16, num_layers=4, attention_head_dim=32,
+        num_attention_heads=3, joint_attention_dim=64, caption_projection_dim=96, pooled_projection_dim=64,
+        out_channels=16, pos_embed_max_size=16)
+    torch.manual_seed(SHAPES_SEED + 5)
+    modules["vae"] = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 32, 32), layers_per_block=1,
+        latent_channels=16, norm_num_groups=8, sample_size=SHAPES_RESOLUTION, scaling_factor=1.0,
+        shift_factor=0.0, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False)
+    return modules
+
+
+def load_weights(modules: dict[str, torch.nn.Module], path: str | Path) -> None:
+    """Load a pretrain-written safetensors file into ``modules`` (strict), with the VAE's latent stats."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = json.loads(fh.metadata().get("diffusionrl", "{}"))
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    for name in TRAINED:
+        prefix = name + "."
+        modules[name].load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                                      strict=True)
+    modules["vae"].register_to_config(scaling_factor=float(meta["scaling_factor"]),
+                                      shift_factor=float(meta["shift_factor"]))
+
+
+def build_shapes_components(weights: str | Path | None = SHAPES_WEIGHTS) -> dict:
+    """All components of the shapes pipeline, eval mode, fp32, CPU; ``weights=None``: untrained."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    clip_tok, t5_tok = build_tokenizers(WORDS, clip_max_length=CLIP_MAX_LENGTH)
+    modules = _modules(len(clip_tok), len(t5_tok))
+    if weights is not None:
+        if not Path(weights).is_file():
+            raise FileNotFoundError(f"{weights}: the {SHAPES_REF} weights are missing; write them with "
+                                    "`python -m diffusionrl.models.pretrain`")
+        load_weights(modules, weights)
+    for module in modules.values():
+        module.eval().requires_grad_(False)
+    return {**modules, "tokenizer": clip_tok, "tokenizer_2": clip_tok, "tokenizer_3": t5_tok,
+            "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)}
+
+
+def build_shapes_pipeline(weights: str | Path | None = SHAPES_WEIGHTS):
+    from diffusers import StableDiffusion3Pipeline
+
+    return StableDiffusion3Pipeline(**build_shapes_components(weights))
+
+
+def save_shapes_sd3(directory: str | Path) -> Path:
+    """Write ``builtin:tiny-sd3-shapes`` as a diffusers folder (safetensors weights, JSON configs)."""
+    directory = Path(directory)
+    build_shapes_pipeline().save_pretrained(directory, safe_serialization=True)
+    return directory
