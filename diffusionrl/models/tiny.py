@@ -84,7 +84,7 @@ def build_tokenizers():
 
 
 @torch.no_grad()
-def _make_decoder_faithful(vae) -> None:
+def make_decoder_faithful(vae) -> None:
     """Make the randomly initialised decoder show its latent instead of its own texture.
 
     A freshly initialised 4-stage decoder paints nearly the same high-frequency texture over any
@@ -187,7 +187,7 @@ def build_tiny_sd3_components() -> dict:
         mid_block_add_attention=False,
     )
 
-    _make_decoder_faithful(vae)
+    make_decoder_faithful(vae)
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 

@@ -118,12 +118,12 @@ class SGLangRolloutEngine:
         )
 
     def _materialize_model(self) -> str:
-        """``builtin:tiny-sd3`` as a diffusers folder the server can load (the same weights as the
-        adapter's: the build is seeded; ``verify_weights`` checks the served base weights of the
-        LoRA layers and the module checksum at start)."""
-        from diffusionrl.models.tiny import save_tiny_sd3
+        """The builtin model (``builtin:tiny-sd3``) as a diffusers folder the server can load (the same
+        weights as the adapter's: the build is seeded; ``verify_weights`` checks the served base
+        weights of the LoRA layers and the module checksum at start)."""
+        from diffusionrl.models.families import save_builtin
 
-        path = save_tiny_sd3(self.workdir / "model")
+        path = save_builtin(self.adapter.builtin, self.workdir / "model")
         return str(path)
 
     # -- plumbing ------------------------------------------------------------------------------
