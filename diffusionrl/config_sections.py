@@ -22,8 +22,8 @@ from diffusionrl.presets import SD3_LORA_TARGETS
 @dataclass
 class ModelConfig:
     name: str = option(
-        "builtin:tiny-sd3", "Model reference: 'builtin:tiny-sd3', a local diffusers folder, or a "
-        "hub id; the family is read from its model_index.json"
+        "builtin:tiny-sd3", "Model reference: 'builtin:tiny-sd3' | 'builtin:tiny-flux', a local diffusers folder, or a "
+        "hub id; the family (SD3, FLUX.1) is read from its model_index.json"
     )
     revision: str = option("", "Hub revision (branch, tag or commit); empty for the default branch")
     dtype: str = option("float32", "Weights dtype of the frozen modules: float32 | float16 | bfloat16")

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 from .base import FlowAdapter, hf_token, module_digest, resolve_device
 from .families import ADAPTERS, adapter_class, load_adapter, load_pipeline, pipeline_class_of, save_builtin
+from .flux import FluxAdapter
 from .sd3 import SD3Adapter
 from .tiny import TINY_REF, build_tiny_sd3_pipeline, save_tiny_sd3
+from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline, save_tiny_flux
 
 __all__ = [
     "ADAPTERS",
     "FlowAdapter",
+    "FluxAdapter",
     "SD3Adapter",
+    "TINY_FLUX_REF",
     "TINY_REF",
     "adapter_class",
+    "build_tiny_flux_pipeline",
     "build_tiny_sd3_pipeline",
     "hf_token",
     "load_adapter",
@@ -22,5 +27,6 @@ __all__ = [
     "pipeline_class_of",
     "resolve_device",
     "save_builtin",
+    "save_tiny_flux",
     "save_tiny_sd3",
 ]

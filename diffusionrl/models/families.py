@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from .base import DTYPES, FlowAdapter, hf_token, resolve_device
+from .flux import FluxAdapter
 from .sd3 import SD3Adapter
 
-ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter,)
+ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter)
 
 
 class UnknownModelFamily(ValueError):
@@ -60,7 +61,7 @@ def adapter_class(reference: str, revision: str = "") -> type[FlowAdapter]:
 def load_pipeline(reference: str, revision: str = "", dtype: str = "float32"):
     """The family's diffusers pipeline from a builtin name, a local folder or a hub id.
 
-    Hub ids are loaded with ``revision`` and ``HF_TOKEN`` (SD3.5 is gated). Under
+    Hub ids are loaded with ``revision`` and ``HF_TOKEN`` (SD3.5 and FLUX.1-dev are gated). Under
     ``HF_HUB_OFFLINE=1`` only the local cache is consulted.
     """
     import diffusers
