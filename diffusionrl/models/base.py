@@ -144,6 +144,22 @@ class FlowAdapter:
         """Whether sampling at ``guidance_scale`` runs a CFG pass on negative-prompt embeddings."""
         return guidance_scale != 1.0
 
+    # -- the stock pipeline's forms (parity tests and bench/families.py call the pipeline itself) --
+    def to_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Spatial latents ``[B, C, H, W]`` -> what the stock pipeline's ``latents=`` argument takes."""
+        return latents
+
+    def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+        """The stock pipeline's ``output_type="latent"`` output -> spatial latents ``[B, C, H, W]``."""
+        return latents
+
+    def pipeline_kwargs(self, guidance_scale: float, negative_prompt: str) -> dict:
+        """The guidance arguments of the stock pipeline's ``__call__`` that sample as ``velocity`` does."""
+        kwargs: dict = {"guidance_scale": guidance_scale}
+        if self.needs_negative(guidance_scale):
+            kwargs["negative_prompt"] = negative_prompt
+        return kwargs
+
     # -- text -----------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(

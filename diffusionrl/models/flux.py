@@ -94,6 +94,13 @@ class FluxAdapter(FlowAdapter):
     def needs_negative(self, guidance_scale: float) -> bool:
         return False  # guidance-distilled: the scale is an input of the transformer
 
+    def to_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return pack(latents)
+
+    def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+        _, h, w = self.latent_shape(resolution)
+        return unpack(latents, h, w)
+
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=texts, prompt_2=None, device=self.device, num_images_per_prompt=1,
