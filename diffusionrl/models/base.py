@@ -170,20 +170,24 @@ class FlowAdapter:
         position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
         unique = list(position)
         index = torch.tensor([position[p] for p in prompts], device=self.device)
-        embeds, pooled = self._encode_quietly(unique, max_sequence_length)
-        cond = Conditioning(embeds.index_select(0, index), pooled.index_select(0, index))
+        embeds, pooled, mask = self._encode_quietly(unique, max_sequence_length)
+        cond = Conditioning(embeds.index_select(0, index), pooled.index_select(0, index),
+                            prompt_embeds_mask=None if mask is None else mask.index_select(0, index))
         if negative_prompt is not None:
-            neg, neg_pooled = self._encode_quietly([negative_prompt], max_sequence_length)
+            neg, neg_pooled, neg_mask = self._encode_quietly([negative_prompt], max_sequence_length)
             b = len(prompts)
             cond.negative_prompt_embeds = neg.expand(b, *neg.shape[1:]).contiguous()
             cond.negative_pooled_embeds = neg_pooled.expand(b, *neg_pooled.shape[1:]).contiguous()
+            if neg_mask is not None:
+                cond.negative_prompt_embeds_mask = neg_mask.expand(b, *neg_mask.shape[1:]).contiguous()
         return cond
 
-    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pipeline's own (no-CFG) prompt and pooled embeddings of ``texts``."""
+    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
+        """The pipeline's own (no-CFG) embeddings of ``texts``: ``(prompt [N, S, D], pooled [N, P],
+        token mask [N, S] or None)``."""
         raise NotImplementedError
 
-    def _encode_quietly(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode_quietly(self, texts: list[str], max_sequence_length: int) -> tuple:
         """``_encode`` with diffusers' per-call truncation warnings replaced by ``warn_truncated``'s one."""
         with truncation_warnings_dropped(self.pipeline_logger) as dropped:
             out = self._encode(texts, max_sequence_length)

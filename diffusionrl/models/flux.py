@@ -4,40 +4,30 @@ What differs from SD3 (``models/sd3.py``), and where the adapter absorbs it:
 - Guidance-distilled: ``guidance_scale`` is an input of the transformer (its guidance embedding,
   FLUX.1-dev's default 3.5), not a CFG mix; there is no negative pass (``needs_negative`` is
   False), so one forward per step. (diffusers' optional ``true_cfg_scale`` is not used.)
-- Packed latents: the transformer takes 2x2 patches of the 16-channel VAE latent as 64-channel
-  tokens ``[B, (H/2)(W/2), 64]`` with position ids (``img_ids``: row/column per token, ``txt_ids``:
-  zeros per text token) for its RoPE. Trajectories keep the spatial latent ``[B, 16, H, W]``;
-  ``velocity`` packs, runs, and unpacks (pure permutations: exact).
+- Packed latents (``models/packed.py``, shared with Qwen-Image): the transformer takes 2x2 patches
+  of the 16-channel VAE latent as 64-channel tokens ``[B, (H/2)(W/2), 64]`` with position ids
+  (``img_ids``: row/column per token, ``txt_ids``: zeros per text token) for its RoPE.
+  Trajectories keep the spatial latent ``[B, 16, H, W]``; ``velocity`` packs, runs, and unpacks
+  (pure permutations: exact).
 - Timestep: the transformer takes ``t / 1000`` (it multiplies by 1000 inside), as the pipeline does.
 - Text: the pooled output of CLIP (``CLIPTextModel``), T5's sequence; one encoder pair, no
   ``tokenizer_3``.
-- Schedule: ``sigmas = linspace(1, 1/T, T)`` shifted by ``mu = calculate_shift(image tokens)``
-  when the scheduler uses dynamic shifting (FLUX.1-dev does): the schedule depends on the resolution.
+- Schedule (``models/packed.py``): ``sigmas = linspace(1, 1/T, T)`` shifted by ``mu``, linear in the
+  number of image tokens, when the scheduler uses dynamic shifting (FLUX.1-dev does): the schedule
+  depends on the resolution.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from diffusionrl.trajectory import Conditioning
 
 from .base import FlowAdapter
+from .packed import PackedLatents, pack, unpack
 from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline
 
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """``[B, C, H, W]`` -> ``[B, (H/2)(W/2), 4C]`` (``FluxPipeline._pack_latents``)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """``[B, (H/2)(W/2), 4C]`` -> ``[B, C, H, W]`` (``FluxPipeline._unpack_latents``)."""
-    b, _, d = tokens.shape
-    x = tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, d // 4, h, w)
+__all__ = ["FluxAdapter", "image_ids", "pack", "unpack"]
 
 
 def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
@@ -48,14 +38,7 @@ def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
-def calculate_shift(image_seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float,
-                    max_shift: float) -> float:
-    """FLUX's resolution-dependent shift ``mu``: linear in the number of image tokens."""
-    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    return image_seq_len * m + (base_shift - m * base_seq_len)
-
-
-class FluxAdapter(FlowAdapter):
+class FluxAdapter(PackedLatents, FlowAdapter):
     """FLUX.1 behind the interface the engines and the trainer use."""
 
     family = "flux"
@@ -68,45 +51,15 @@ class FluxAdapter(FlowAdapter):
     def build_tiny():
         return build_tiny_flux_pipeline()
 
-    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
-        """16 channels at ``2 * (resolution // 16)``: the pipeline rounds to whole 2x2 patches."""
-        side = 2 * (resolution // (self.vae_scale_factor * 2))
-        return (self.transformer.config.in_channels // 4, side, side)
-
-    def image_seq_len(self, resolution: int) -> int:
-        _, h, w = self.latent_shape(resolution)
-        return (h // 2) * (w // 2)
-
-    def _timestep_kwargs(self, num_steps: int, resolution: int | None) -> dict:
-        config = self.scheduler.config
-        kwargs: dict = {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)}
-        if getattr(config, "use_flow_sigmas", False):
-            kwargs = {"num_inference_steps": num_steps}
-        if config.get("use_dynamic_shifting", False):
-            if resolution is None:
-                raise ValueError("FLUX's schedule depends on the resolution (dynamic shifting): pass resolution")
-            kwargs["mu"] = calculate_shift(
-                self.image_seq_len(resolution), config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-            )
-        return kwargs
-
     def needs_negative(self, guidance_scale: float) -> bool:
         return False  # guidance-distilled: the scale is an input of the transformer
 
-    def to_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return pack(latents)
-
-    def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
-        _, h, w = self.latent_shape(resolution)
-        return unpack(latents, h, w)
-
-    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
         embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=texts, prompt_2=None, device=self.device, num_images_per_prompt=1,
             max_sequence_length=max_sequence_length,
         )
-        return embeds, pooled
+        return embeds, pooled, None
 
     def _token_limits(self, max_sequence_length: int) -> list[tuple[object, int, str]]:
         return super()._token_limits(max_sequence_length) + [

@@ -40,7 +40,7 @@ class SD3Adapter(FlowAdapter):
             if getattr(block, "context_pre_only", False)
         }
 
-    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=texts,
             prompt_2=None,
@@ -50,7 +50,7 @@ class SD3Adapter(FlowAdapter):
             do_classifier_free_guidance=False,
             max_sequence_length=max_sequence_length,
         )
-        return embeds, pooled
+        return embeds, pooled, None
 
     def _token_limits(self, max_sequence_length: int) -> list[tuple[object, int, str]]:
         limits = super()._token_limits(max_sequence_length)
