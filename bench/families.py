@@ -15,7 +15,8 @@
 A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
 from the preset's model reference).
 
-    python bench/families.py [--families sd3,flux] [--budget-s 600] [--repeats 5] [--threads 1] [--skip-learning]
+    python bench/families.py [--families sd3,flux,qwen-image] [--budget-s 600] [--repeats 5] [--threads 1]
+                             [--skip-learning]
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 
-# family -> its tiny preset (Qwen-Image, Wan: one line each)
-FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux"}
+# family -> its tiny preset (Wan: one more line)
+FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image"}
 PROMPTS = ["a red cat on the beach", "a blue car in the city", "a small house", "a golden cake on a table",
            "a green tree", "a black dog", "a silver robot", "a wooden boat"]
 
@@ -52,7 +53,7 @@ def ode_parity(adapter, spec: SamplingSpec, batch: int = 4) -> float:
     out = adapter.pipe(prompt=prompts, num_inference_steps=spec.num_steps, height=spec.resolution,
                        width=spec.resolution, max_sequence_length=spec.max_sequence_length,
                        latents=adapter.to_pipeline_latents(x0), output_type="latent",
-                       **adapter.pipeline_kwargs(spec.guidance_scale, spec.negative_prompt)).images
+                       **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * batch)).images
     return float((adapter.from_pipeline_latents(out, spec.resolution) - traj.latents[:, -1]).abs().max())
 
 
@@ -95,7 +96,7 @@ def speed(adapter, spec: SamplingSpec, images: int, repeats: int) -> dict:
         adapter.pipe(prompt=prompts, num_inference_steps=spec.num_steps, height=spec.resolution,
                      width=spec.resolution, max_sequence_length=spec.max_sequence_length, output_type="np",
                      generator=[torch.Generator().manual_seed(s) for s in seeds],
-                     **adapter.pipeline_kwargs(spec.guidance_scale, spec.negative_prompt))
+                     **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * images))
 
     for fn in (ours, stock):  # warm-up
         fn()

@@ -242,6 +242,33 @@ FLUX1_DEV_PICKSCORE: dict[str, Any] = {
     "tracking": {"registered_model": "flux1-dev-pickscore"},
 }
 
+# Qwen-Image's double-stream blocks: both streams' attention projections and MLPs (the adapter drops
+# the last block's text-output layers, whose gradient is exactly 0).
+QWEN_IMAGE_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+]
+
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-qwen-image: true CFG at flow_grpo's Qwen-Image guidance 4
+# (two forwards a step, the mix rescaled to the positive prediction's norm), LoRA on both streams plus
+# the output projection.
+TINY_CPU_QWEN_IMAGE: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-qwen-image", "lora_targets": QWEN_IMAGE_LORA_TARGETS + ["proj_out"]},
+    "sampling": {"guidance_scale": 4.0, "negative_prompt": " "},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-qwen-image-jpeg"},
+}
+
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu": (TINY_CPU,),
@@ -260,6 +287,7 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     # tiny-cpu-nft's objective on builtin:tiny-flux (FLUX keeps its distilled guidance: no CFG pass to drop)
     "tiny-cpu-flux-nft": (TINY_CPU, TINY_CPU_NFT, TINY_CPU_FLUX),
     "flux1-dev-pickscore": (FLUX1_DEV_PICKSCORE,),
+    "tiny-cpu-qwen-image": (TINY_CPU, TINY_CPU_QWEN_IMAGE),
 }
 
 

@@ -51,7 +51,14 @@ class Conditioning:
     def cat(parts: list[Conditioning]) -> Conditioning:
         def join(name: str) -> torch.Tensor | None:
             values = [getattr(p, name) for p in parts]
-            return None if values[0] is None else torch.cat(values)
+            if values[0] is None:
+                if any(v is not None for v in values):
+                    raise TrajectoryError(f"cannot join conditionings: {name} is set in some parts only")
+                return None
+            if len({tuple(v.shape[1:]) for v in values}) > 1:  # e.g. Qwen-Image text padded per encoding
+                raise TrajectoryError(f"cannot join conditionings whose {name} differ in shape "
+                                      f"{sorted({tuple(v.shape[1:]) for v in values})}")
+            return torch.cat(values)
 
         return Conditioning(*(join(name) for name in Conditioning.FIELDS))
 
@@ -61,7 +68,11 @@ class Conditioning:
         if (self.negative_prompt_embeds is None) != (self.negative_pooled_embeds is None):
             raise TrajectoryError("negative_prompt_embeds and negative_pooled_embeds must both be set or both be None")
         if self.negative_prompt_embeds is not None:
-            _check(self.negative_prompt_embeds, "negative_prompt_embeds", shape=tuple(self.prompt_embeds.shape))
+            # the negative prompt may be encoded to another length (Qwen-Image pads per encoding)
+            _check(self.negative_prompt_embeds, "negative_prompt_embeds", ndim=3, first=batch, floating=True)
+            if self.negative_prompt_embeds.shape[2] != self.prompt_embeds.shape[2]:
+                raise TrajectoryError(f"negative_prompt_embeds has width {self.negative_prompt_embeds.shape[2]}, "
+                                      f"prompt_embeds {self.prompt_embeds.shape[2]}")
             _check(self.negative_pooled_embeds, "negative_pooled_embeds", shape=tuple(self.pooled_embeds.shape))
         for mask, embeds in ((self.prompt_embeds_mask, self.prompt_embeds),
                              (self.negative_prompt_embeds_mask, self.negative_prompt_embeds)):

@@ -6,19 +6,24 @@ from __future__ import annotations
 from .base import FlowAdapter, hf_token, module_digest, resolve_device
 from .families import ADAPTERS, adapter_class, load_adapter, load_pipeline, pipeline_class_of, save_builtin
 from .flux import FluxAdapter
+from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .tiny import TINY_REF, build_tiny_sd3_pipeline, save_tiny_sd3
 from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline, save_tiny_flux
+from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline, save_tiny_qwen_image
 
 __all__ = [
     "ADAPTERS",
     "FlowAdapter",
     "FluxAdapter",
+    "QwenImageAdapter",
     "SD3Adapter",
     "TINY_FLUX_REF",
+    "TINY_QWEN_IMAGE_REF",
     "TINY_REF",
     "adapter_class",
     "build_tiny_flux_pipeline",
+    "build_tiny_qwen_image_pipeline",
     "build_tiny_sd3_pipeline",
     "hf_token",
     "load_adapter",
@@ -28,5 +33,6 @@ __all__ = [
     "resolve_device",
     "save_builtin",
     "save_tiny_flux",
+    "save_tiny_qwen_image",
     "save_tiny_sd3",
 ]

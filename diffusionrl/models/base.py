@@ -153,8 +153,9 @@ class FlowAdapter:
         """The stock pipeline's ``output_type="latent"`` output -> spatial latents ``[B, C, H, W]``."""
         return latents
 
-    def pipeline_kwargs(self, guidance_scale: float, negative_prompt: str) -> dict:
-        """The guidance arguments of the stock pipeline's ``__call__`` that sample as ``velocity`` does."""
+    def pipeline_kwargs(self, guidance_scale: float, negative_prompt: str | list[str]) -> dict:
+        """The guidance arguments of the stock pipeline's ``__call__`` that sample as ``velocity`` does
+        (``negative_prompt``: one per prompt gives the pipeline our batch layout)."""
         kwargs: dict = {"guidance_scale": guidance_scale}
         if self.needs_negative(guidance_scale):
             kwargs["negative_prompt"] = negative_prompt

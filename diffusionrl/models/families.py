@@ -15,9 +15,10 @@ import torch
 
 from .base import DTYPES, FlowAdapter, hf_token, resolve_device
 from .flux import FluxAdapter
+from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 
-ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter)
+ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter)
 
 
 class UnknownModelFamily(ValueError):

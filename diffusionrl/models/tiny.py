@@ -21,7 +21,7 @@ TINY_REF = "builtin:tiny-sd3"
 
 # Words that get a single token in the tiny T5 vocabulary (the built-in prompt generators use them);
 # anything else falls back to characters.
-_WORDS = (
+WORDS = (
     "a an the of on in with and at by to from for is photo picture painting drawing sign poster label "
     "red green blue yellow orange purple pink black white brown gray golden silver small large tiny big "
     "old new bright dark shiny wooden metal glass paper stone cat dog bird fish horse car bus bike boat "
@@ -43,7 +43,7 @@ def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
         vocab.setdefault(c + "</w>", len(vocab))
     # A few merges so common words are short; the rest tokenizes per character.
     merges: list[tuple[str, str]] = []
-    for word in _WORDS:
+    for word in WORDS:
         if not word.isalpha():
             continue
         piece = word[0]
@@ -61,7 +61,7 @@ def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
 def _t5_vocab() -> list[tuple[str, float]]:
     vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     seen = {v for v, _ in vocab}
-    for word in _WORDS:
+    for word in WORDS:
         piece = "\u2581" + word
         if piece not in seen:
             vocab.append((piece, -3.0))
