@@ -42,7 +42,9 @@ def preset_for(name: str | None) -> str:
     return preset if preset in PRESETS else "tiny-cpu"
 
 
-def run(algorithm: str | None, steps: int | None, budget_s: float | None, overrides: list[str]) -> dict:
+def run(algorithm: str | None, steps: int | None, budget_s: float | None, overrides: list[str],
+        preset: str | None = None) -> dict:
+    """One learning run: ``preset`` (default: ``preset_for(algorithm)``) on jpeg_compressibility."""
     extra = ["reward.weights={jpeg_compressibility: 1.0}", "train.checkpoint_every=0", "train.log_images_every=0"]
     if algorithm in ALGORITHMS:
         extra.append(f"algorithm.name={algorithm}")
@@ -50,7 +52,7 @@ def run(algorithm: str | None, steps: int | None, budget_s: float | None, overri
         raise SystemExit(f"--compare: {algorithm!r} is neither an algorithm ({', '.join(ALGORITHMS)}) nor a preset")
     if steps:
         extra.append(f"train.steps={steps}")
-    cfg = load_config(preset_for(algorithm), overrides=extra + overrides)
+    cfg = load_config(preset or preset_for(algorithm), overrides=extra + overrides)
     budget = Budget(budget_s)
     with tempfile.TemporaryDirectory() as tmp:
         loop = build_loop(cfg, tmp, progress=False)

@@ -22,7 +22,8 @@ from diffusionrl.presets import SD3_LORA_TARGETS
 @dataclass
 class ModelConfig:
     name: str = option(
-        "builtin:tiny-sd3", "Model reference: 'builtin:tiny-sd3', a local diffusers folder, or a hub id"
+        "builtin:tiny-sd3", "Model reference: 'builtin:tiny-sd3' | 'builtin:tiny-flux', a local diffusers folder, or a "
+        "hub id; the family (SD3, FLUX.1) is read from its model_index.json"
     )
     revision: str = option("", "Hub revision (branch, tag or commit); empty for the default branch")
     dtype: str = option("float32", "Weights dtype of the frozen modules: float32 | float16 | bfloat16")
@@ -50,8 +51,9 @@ class SamplingConfig:
     resolution: int = option(64, "Image height and width in pixels (a multiple of 16)")
     eval_resolution: int = option(0, "Evaluation and registered-model image size (0 = resolution): train lower")
     num_steps: int = option(10, "Denoising steps T of a rollout")
-    guidance_scale: float = option(4.5, "Classifier-free guidance scale g (1.0 = no CFG pass)")
-    negative_prompt: str = option("", "Negative prompt used for CFG")
+    guidance_scale: float = option(4.5, "Guidance scale g: SD3's classifier-free guidance (1.0 = no CFG pass); "
+                                   "FLUX.1's distilled-guidance input (3.5 for FLUX.1-dev; never a CFG pass)")
+    negative_prompt: str = option("", "Negative prompt used for CFG (families with a CFG pass: SD3)")
     sde_type: str = option("sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode | dance "
                            "(DanceGRPO: constant noise g = noise_level)")
     noise_level: float = option(0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps, eta = 0.3 for dance)")

@@ -28,6 +28,23 @@ SD3_LORA_TARGETS = [
     "attn.to_add_out",
 ]
 
+# FLUX.1's LoRA targets in flow_grpo's scripts/train_flux.py: both streams' attention projections and
+# feed-forwards of the double-stream blocks (the single-stream blocks' attn.to_q/k/v match by suffix too).
+FLUX_LORA_TARGETS = [
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+]
+
 # The embedded default: Flow-GRPO on builtin:tiny-sd3 at 64 px, JPEG compressibility.
 # Chosen so that the reward visibly rises within minutes on a 2-core CPU (bench/learning.py):
 # the "Fast" regime (a 2-step SDE window, so most steps are cheap ODE steps and credit is
@@ -185,6 +202,87 @@ TINY_CPU_SHAPES: dict[str, Any] = {
     "tracking": {"registered_model": "tiny-sd3-shapes"},
 }
 
+# Over TINY_CPU: the same Flow-GRPO run on builtin:tiny-flux (guidance-distilled, no CFG pass: the
+# guidance scale is FLUX.1-dev's 3.5, an input of the transformer), LoRA on flow_grpo's FLUX targets
+# plus the single-stream blocks' MLP and the output projections (as tiny-cpu adds them for SD3).
+TINY_CPU_FLUX: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-flux", "lora_targets": FLUX_LORA_TARGETS + ["proj_mlp", "proj_out"]},
+    "sampling": {"guidance_scale": 3.5},
+    "eval": {"guidance_scale": 3.5},
+    "tracking": {"registered_model": "tiny-flux-jpeg"},
+}
+
+# FLUX.1-dev, flow_grpo's pickscore_flux recipe (config/grpo.py; scripts/train_flux.py): the gated hub
+# model in bf16 with an fp32 LoRA r64/alpha128 on FLUX_LORA_TARGETS, T5 prompts of 128 tokens, 512 px,
+# 6 sampling steps at distilled guidance 3.5, SDE noise level 0.9 on every step, no KL, global std;
+# 48 prompts x 24 images a step, 3 images per micro-batch, 2 optimizer steps per step, bf16 forward, EMA
+# 0.9, evaluation with 28 ODE steps; PickScore reward. The reference spreads this over 32 GPUs (data
+# parallel); here 8 FSDP2 ranks, each with a colocated local rollout engine.
+FLUX1_DEV_PICKSCORE: dict[str, Any] = {
+    "model": {
+        "name": "black-forest-labs/FLUX.1-dev",
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_sequence_length": 128,
+        "lora_rank": 64,
+        "lora_alpha": 128,
+        "lora_targets": FLUX_LORA_TARGETS,
+        "gradient_checkpointing": True,
+    },
+    "sampling": {"resolution": 512, "num_steps": 6, "guidance_scale": 3.5, "noise_level": 0.9},
+    "algorithm": {"kl_beta": 0.0, "global_std": True, "adv_clip_max": 5.0},
+    "reward": {"weights": {"pickscore": 1.0}},
+    "train": {
+        "steps": 1000,
+        "prompts_per_step": 48,
+        "group_size": 24,
+        "micro_batch_size": 3,
+        "minibatches": 2,
+        "learning_rate": 3e-4,
+        "mixed_precision": "bf16",
+        "ema": True,
+        "ema_decay": 0.9,
+        "checkpoint_every": 30,
+        "log_images_every": 30,
+        "save_latents": False,
+        "world_size": 8,
+        "placement": "colocate",
+        "rollout_engines": 8,
+        "cpus_per_bundle": 4,
+        "memory_handoff": True,
+        "offload_optimizer": True,
+    },
+    "eval": {"num_steps": 28, "guidance_scale": 3.5, "num_prompts": 1024},
+    "tracking": {"registered_model": "flux1-dev-pickscore"},
+}
+
+# Qwen-Image's double-stream blocks: both streams' attention projections and MLPs (the adapter drops
+# the last block's text-output layers, whose gradient is exactly 0).
+QWEN_IMAGE_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+]
+
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-qwen-image: true CFG at flow_grpo's Qwen-Image guidance 4
+# (two forwards a step, the mix rescaled to the positive prediction's norm), LoRA on both streams plus
+# the output projection.
+TINY_CPU_QWEN_IMAGE: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-qwen-image", "lora_targets": QWEN_IMAGE_LORA_TARGETS + ["proj_out"]},
+    "sampling": {"guidance_scale": 4.0, "negative_prompt": " "},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-qwen-image-jpeg"},
+}
+
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu": (TINY_CPU,),
@@ -200,6 +298,11 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-awm": (TINY_CPU, TINY_CPU_AWM),
     "tiny-cpu-dpo": (TINY_CPU, TINY_CPU_DPO),
     "tiny-cpu-sft": (TINY_CPU, TINY_CPU_SFT),
+    "tiny-cpu-flux": (TINY_CPU, TINY_CPU_FLUX),
+    # tiny-cpu-nft's objective on builtin:tiny-flux (FLUX keeps its distilled guidance: no CFG pass to drop)
+    "tiny-cpu-flux-nft": (TINY_CPU, TINY_CPU_NFT, TINY_CPU_FLUX),
+    "flux1-dev-pickscore": (FLUX1_DEV_PICKSCORE,),
+    "tiny-cpu-qwen-image": (TINY_CPU, TINY_CPU_QWEN_IMAGE),
 }
 
 

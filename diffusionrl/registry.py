@@ -81,10 +81,12 @@ def eval_key(cfg, test_digest: str, base_model_digest: str) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def diffusers_adapter_dir(peft_dir: str | Path, out: str | Path) -> Path:
+def diffusers_adapter_dir(peft_dir: str | Path, out: str | Path, pipeline_class: str = "StableDiffusion3Pipeline"
+                          ) -> Path:
     """A LoRA folder both diffusers (``pytorch_lora_weights.safetensors`` with its adapter metadata,
-    so rank and alpha survive) and we (``peft/``) can load."""
-    from diffusers import StableDiffusion3Pipeline
+    so rank and alpha survive, written by the base model's pipeline class: its LoRA loader's key
+    layout) and we (``peft/``) can load."""
+    import diffusers
     from safetensors.torch import load_file
 
     peft_dir, out = Path(peft_dir), Path(out)
@@ -95,8 +97,9 @@ def diffusers_adapter_dir(peft_dir: str | Path, out: str | Path) -> Path:
     metadata = {k: config[k] for k in ("r", "lora_alpha", "target_modules", "init_lora_weights", "lora_dropout",
                                         "bias", "use_dora", "use_rslora", "rank_pattern", "alpha_pattern")
                 if k in config}
-    StableDiffusion3Pipeline.save_lora_weights(str(out), transformer_lora_layers=state, weight_name=ADAPTER_FILE,
-                                               transformer_lora_adapter_metadata=metadata)
+    getattr(diffusers, pipeline_class).save_lora_weights(str(out), transformer_lora_layers=state,
+                                                         weight_name=ADAPTER_FILE,
+                                                         transformer_lora_adapter_metadata=metadata)
     shutil.copytree(peft_dir, out / PEFT_SUBDIR, dirs_exist_ok=True)
     return out
 
@@ -131,11 +134,13 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
     import mlflow.diffusers
     import pandas as pd
 
+    from diffusionrl.models.families import pipeline_class_of
+
     mlflow.set_tracking_uri(run.uri)
     mlflow.set_registry_uri(run.uri)
     mlflow.set_experiment(experiment_id=run.experiment_id)  # the logged model lives beside its run
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = diffusers_adapter_dir(peft_dir, Path(tmp) / "adapter")
+        adapter = diffusers_adapter_dir(peft_dir, Path(tmp) / "adapter", pipeline_class_of(base_ref))
         return mlflow.diffusers.log_model(
             adapter_path=str(adapter),
             base_model=base_ref,

@@ -21,9 +21,16 @@ class Conditioning:
     """Text conditioning of B samples (what the transformer attends to)."""
 
     prompt_embeds: torch.Tensor  # [B, S, D]
-    pooled_embeds: torch.Tensor  # [B, P]
+    pooled_embeds: torch.Tensor  # [B, P] (P = 0: a family without a pooled embedding, e.g. Qwen-Image)
     negative_prompt_embeds: torch.Tensor | None = None  # [B, S, D]; None when no CFG pass
     negative_pooled_embeds: torch.Tensor | None = None  # [B, P]
+    # [B, S] int64 (1 = real token) where the family pads text to the batch's longest prompt
+    # (Qwen-Image); None where every token counts (SD3, FLUX) or, as diffusers does, none is padding
+    prompt_embeds_mask: torch.Tensor | None = None
+    negative_prompt_embeds_mask: torch.Tensor | None = None  # [B, S']
+
+    FIELDS = ("prompt_embeds", "pooled_embeds", "negative_prompt_embeds", "negative_pooled_embeds",
+              "prompt_embeds_mask", "negative_prompt_embeds_mask")
 
     def __len__(self) -> int:
         return self.prompt_embeds.shape[0]
@@ -32,33 +39,28 @@ class Conditioning:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[idx]
 
-        return Conditioning(
-            pick(self.prompt_embeds),
-            pick(self.pooled_embeds),
-            pick(self.negative_prompt_embeds),
-            pick(self.negative_pooled_embeds),
-        )
+        return Conditioning(*(pick(getattr(self, name)) for name in self.FIELDS))
 
     def to(self, device: torch.device | str) -> Conditioning:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return Conditioning(
-            move(self.prompt_embeds),
-            move(self.pooled_embeds),
-            move(self.negative_prompt_embeds),
-            move(self.negative_pooled_embeds),
-        )
+        return Conditioning(*(move(getattr(self, name)) for name in self.FIELDS))
 
     @staticmethod
     def cat(parts: list[Conditioning]) -> Conditioning:
         def join(name: str) -> torch.Tensor | None:
             values = [getattr(p, name) for p in parts]
-            return None if values[0] is None else torch.cat(values)
+            if values[0] is None:
+                if any(v is not None for v in values):
+                    raise TrajectoryError(f"cannot join conditionings: {name} is set in some parts only")
+                return None
+            if len({tuple(v.shape[1:]) for v in values}) > 1:  # e.g. Qwen-Image text padded per encoding
+                raise TrajectoryError(f"cannot join conditionings whose {name} differ in shape "
+                                      f"{sorted({tuple(v.shape[1:]) for v in values})}")
+            return torch.cat(values)
 
-        return Conditioning(
-            join("prompt_embeds"), join("pooled_embeds"), join("negative_prompt_embeds"), join("negative_pooled_embeds")
-        )
+        return Conditioning(*(join(name) for name in Conditioning.FIELDS))
 
     def validate(self, batch: int) -> None:
         _check(self.prompt_embeds, "prompt_embeds", ndim=3, first=batch, floating=True)
@@ -66,8 +68,18 @@ class Conditioning:
         if (self.negative_prompt_embeds is None) != (self.negative_pooled_embeds is None):
             raise TrajectoryError("negative_prompt_embeds and negative_pooled_embeds must both be set or both be None")
         if self.negative_prompt_embeds is not None:
-            _check(self.negative_prompt_embeds, "negative_prompt_embeds", shape=tuple(self.prompt_embeds.shape))
+            # the negative prompt may be encoded to another length (Qwen-Image pads per encoding)
+            _check(self.negative_prompt_embeds, "negative_prompt_embeds", ndim=3, first=batch, floating=True)
+            if self.negative_prompt_embeds.shape[2] != self.prompt_embeds.shape[2]:
+                raise TrajectoryError(f"negative_prompt_embeds has width {self.negative_prompt_embeds.shape[2]}, "
+                                      f"prompt_embeds {self.prompt_embeds.shape[2]}")
             _check(self.negative_pooled_embeds, "negative_pooled_embeds", shape=tuple(self.pooled_embeds.shape))
+        for mask, embeds in ((self.prompt_embeds_mask, self.prompt_embeds),
+                             (self.negative_prompt_embeds_mask, self.negative_prompt_embeds)):
+            if mask is not None:
+                if embeds is None:
+                    raise TrajectoryError("a prompt_embeds mask without its embeddings")
+                _check(mask, "prompt_embeds_mask", shape=tuple(embeds.shape[:2]))
 
 
 def _check(

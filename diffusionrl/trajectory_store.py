@@ -90,7 +90,8 @@ OPTIONAL_COLUMNS = [
     "image_png",  # binary: PNG bytes of the decoded image
     "latents",  # list<float32>: [T+1, C, H, W] flattened (latent_shape gives the shape)
     "latent_shape",  # list<int32>: [T+1, C, H, W]
-    "prompt_embeds",  # list<float32> + embeds_shape [S, D] (and the pooled/negative ones)
+    "prompt_embeds",  # list<float32> + embeds_shape [S, D] (and the pooled/negative ones, and the
+    #                   token masks of families that pad text: prompt_embeds_mask [S] as 0/1)
 ]
 
 
@@ -144,7 +145,7 @@ def trajectory_table(
         cols["latents"] = pa.array(_flat(traj.latents), pa.list_(pa.float32()))
         cols["latent_shape"] = pa.array([list(traj.latents.shape[1:])] * b, pa.list_(pa.int32()))
         cond = traj.conditioning
-        for name in ("prompt_embeds", "pooled_embeds", "negative_prompt_embeds", "negative_pooled_embeds"):
+        for name in Conditioning.FIELDS:
             value = getattr(cond, name)
             if value is not None:
                 cols[name] = pa.array(_flat(value), pa.list_(pa.float32()))
@@ -169,6 +170,11 @@ def _tensor(rows, shapes) -> torch.Tensor:
     return torch.stack(
         [torch.as_tensor(np.asarray(r, dtype=np.float32)).reshape(list(s)) for r, s in zip(rows, shapes)]
     )
+
+
+def _mask(values: torch.Tensor | None) -> torch.Tensor | None:
+    """A token mask stored as 0/1 floats -> int64, as the pipeline made it."""
+    return None if values is None else values.to(torch.int64)
 
 
 def read_trajectory(path: str | Path) -> Trajectory:
@@ -207,8 +213,7 @@ def read_trajectory(path: str | Path) -> Trajectory:
         sde_mask=mask,
         latents=_tensor(d["latents"], d["latent_shape"]),
         log_probs=torch.tensor(d["log_probs"], dtype=torch.float32),
-        conditioning=Conditioning(emb("prompt_embeds"), emb("pooled_embeds"), emb("negative_prompt_embeds"),
-                                  emb("negative_pooled_embeds")),
+        conditioning=Conditioning(*(_mask(emb(n)) if n.endswith("_mask") else emb(n) for n in Conditioning.FIELDS)),
         guidance_scale=float(d["guidance_scale"][0]),
         sde_type=d["sde_type"][0],
         noise_level=float(d["noise_level"][0]),

@@ -43,9 +43,9 @@ def test_shipped_weights_match_the_digest_in_the_docs():
 
 
 def test_shipped_model_loads_as_a_builtin_reference():
-    from diffusionrl.models import load_sd3_pipeline
+    from diffusionrl.models import load_pipeline
 
-    pipe = load_sd3_pipeline(SHAPES_REF)
+    pipe = load_pipeline(SHAPES_REF)
     assert pipe.vae.config.latent_channels == 16 and len(pipe.vae.config.block_out_channels) == 4  # 8x
     assert sum(p.numel() for p in pipe.transformer.parameters()) > 1_000_000
     assert all(not p.requires_grad for p in pipe.transformer.parameters())

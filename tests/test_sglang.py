@@ -1,4 +1,4 @@
-"""The SGLang rollout engine against a real SGLang diffusion server (CPU, fp32, tiny SD3).
+"""The SGLang rollout engine against a real SGLang diffusion server (CPU, fp32, tiny SD3 and tiny FLUX).
 
 The server runs from the repo's ``.venv-sglang`` (``make sglang-env``, which ``make test`` runs
 first); these tests skip only when that environment is absent. One server is shared by the
@@ -315,3 +315,52 @@ def test_server_killed_mid_run_is_survived(stack, trained, tmp_path):
     for a, b in zip(full.metrics, result.metrics):
         assert a["rollout/reward/raw_mean"] == b["rollout/reward/raw_mean"]
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6, abs=1e-9)
+
+
+# -- FLUX.1 (builtin:tiny-flux) through the same engine ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flux_stack():
+    """(cfg, adapter, policy, engine) for tiny-cpu-flux served by SGLang's native FLUX.1 pipeline."""
+    if not sglang_available():
+        pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
+    from diffusionrl.models import load_adapter
+    from diffusionrl.training.policy import LoraPolicy
+
+    cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", preset="tiny-cpu-flux")
+    adapter = load_adapter(cfg.model)
+    policy = LoraPolicy(adapter, cfg.model, seed=0)
+    engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
+    try:
+        engine.update_weights(policy.lora_state(), 0)
+        yield cfg, adapter, policy, engine
+    finally:
+        engine.close()
+
+
+@requires_sglang
+def test_flux_is_served_with_a_pushed_lora_and_recomputed_exactly(flux_stack):
+    """Packed latent tokens come back as spatial latents, the server's embedded guidance is the
+    spec's, pushed weights verify (names match SGLang's FLUX module), and our trainer recomputes
+    the server's log-probs (measured: 6e-8)."""
+    cfg, adapter, policy, engine = flux_stack
+    original = policy.lora_state()
+    policy.load_lora_state(perturbed(original))
+    try:
+        engine.update_weights(policy.lora_state(), 1)  # verify_weights: per-tensor and module checksums
+        prompts, groups, seeds = batch()
+        mask = np.zeros((4, 4), dtype=bool)
+        mask[:, :3] = True
+        flux_spec = spec(guidance_scale=3.5)
+        traj = engine.generate(prompts, groups, seeds, flux_spec, mask)
+        assert traj.latents.shape == (4, 5, 16, 4, 4) and traj.conditioning.negative_prompt_embeds is None
+        sigmas, _ = adapter.schedule(4, 32)  # the resolution-dependent shift, as the server computes it
+        torch.testing.assert_close(traj.sigmas, sigmas, rtol=0, atol=1e-6)
+        diff, pairs = FlowGRPOObjective(cfg, policy).recompute_log_prob_diff(traj)
+        assert pairs == 12 and diff <= 1e-5, f"log_prob_mean_abs_diff {diff:.3e}"
+        with pytest.raises(Exception, match="embedded guidance 3.5"):
+            engine.generate(prompts, groups, seeds, spec(guidance_scale=2.0), mask)
+    finally:
+        policy.load_lora_state(original)
+        engine.update_weights(original, 0)

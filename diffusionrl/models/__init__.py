@@ -1,28 +1,38 @@
-"""Model-family adapters. ``load_adapter(cfg.model)`` picks the family of a reference."""
+"""Model-family adapters. ``load_adapter(cfg.model)`` picks the family of a reference
+(``models/families.py``: a builtin name, or ``_class_name`` of the folder's or hub's ``model_index.json``)."""
 
 from __future__ import annotations
 
-from .sd3 import SD3Adapter, hf_token, load_sd3_pipeline, module_digest, resolve_device
+from .base import FlowAdapter, hf_token, module_digest, resolve_device
+from .families import ADAPTERS, adapter_class, load_adapter, load_pipeline, pipeline_class_of, save_builtin
+from .flux import FluxAdapter
+from .qwen_image import QwenImageAdapter
+from .sd3 import SD3Adapter
 from .tiny import TINY_REF, build_tiny_sd3_pipeline, save_tiny_sd3
-from .tiny_shapes import SHAPES_REF, build_shapes_pipeline, save_shapes_sd3
-
-
-def load_adapter(model_cfg, mixed_precision: str = "no") -> SD3Adapter:
-    """The adapter for a model reference (SD3/SD3.5 is the family supported today)."""
-    return SD3Adapter.from_config(model_cfg, mixed_precision=mixed_precision)
-
+from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline, save_tiny_flux
+from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline, save_tiny_qwen_image
 
 __all__ = [
+    "ADAPTERS",
+    "FlowAdapter",
+    "FluxAdapter",
+    "QwenImageAdapter",
     "SD3Adapter",
-    "SHAPES_REF",
+    "TINY_FLUX_REF",
+    "TINY_QWEN_IMAGE_REF",
     "TINY_REF",
-    "build_shapes_pipeline",
+    "adapter_class",
+    "build_tiny_flux_pipeline",
+    "build_tiny_qwen_image_pipeline",
     "build_tiny_sd3_pipeline",
     "hf_token",
     "load_adapter",
-    "load_sd3_pipeline",
+    "load_pipeline",
     "module_digest",
+    "pipeline_class_of",
     "resolve_device",
-    "save_shapes_sd3",
+    "save_builtin",
+    "save_tiny_flux",
+    "save_tiny_qwen_image",
     "save_tiny_sd3",
 ]

@@ -1,7 +1,7 @@
 """Resolve a model reference to a local diffusers folder plus a content digest.
 
-- ``builtin:tiny-sd3``, ``builtin:tiny-sd3-shapes``: written in code (the latter from the weights this
-  package ships; no download);
+- ``builtin:tiny-sd3``, ``builtin:tiny-flux``, ``builtin:tiny-qwen-image``: written in code;
+  ``builtin:tiny-sd3-shapes``: from the weights this package ships (no download);
 - a local folder: used in place (checked to be a diffusers pipeline folder);
 - a hub id (``stabilityai/stable-diffusion-3.5-medium``): ``snapshot_download`` at ``revision``
   with ``HF_TOKEN`` (gated models); the token is passed to the hub client only, never logged.
@@ -16,15 +16,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .sd3 import hf_token
-from .tiny import TINY_REF, save_tiny_sd3
-from .tiny_shapes import SHAPES_REF, save_shapes_sd3
-
-BUILTIN_SAVERS = {TINY_REF: save_tiny_sd3, SHAPES_REF: save_shapes_sd3}
+from .base import hf_token
+from .families import pipeline_class_of, save_builtin
 
 log = logging.getLogger(__name__)
 
-# What a diffusers SD3 pipeline needs; skips the single-file checkpoints hubs also hold.
+# What a diffusers pipeline (SD3, FLUX) needs; skips the single-file checkpoints hubs also hold.
 ALLOW_PATTERNS = ["model_index.json", "*/config.json", "*/*.safetensors", "*/*.safetensors.index.json",
                   "scheduler/*", "tokenizer*/*", "*/generation_config.json"]
 
@@ -47,16 +44,14 @@ def folder_digest(folder: str | Path) -> str:
 def fetch_model(reference: str, revision: str, dest: str | Path) -> Path:
     """A local diffusers folder for ``reference`` (``dest`` is used for builtin and hub models)."""
     dest = Path(dest)
-    if reference in BUILTIN_SAVERS:
-        return BUILTIN_SAVERS[reference](dest)
+    if reference.startswith("builtin:"):
+        pipeline_class_of(reference)  # an unknown builtin name fails here, naming the known ones
+        return save_builtin(reference, dest)
     path = Path(reference).expanduser()
     if path.exists():
         if not (path / "model_index.json").is_file():
             raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
         return path
-    if reference.startswith("builtin:"):
-        raise ValueError(f"unknown builtin model {reference!r}; the built-in image models are "
-                         f"{', '.join(BUILTIN_SAVERS)}")
     from huggingface_hub import snapshot_download
 
     log.info("downloading %s@%s", reference, revision or "main")

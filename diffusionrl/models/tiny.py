@@ -21,7 +21,7 @@ TINY_REF = "builtin:tiny-sd3"
 
 # Words that get a single token in the tiny T5 vocabulary (the built-in prompt generators use them);
 # anything else falls back to characters.
-_WORDS: tuple[str, ...] = tuple(
+WORDS: tuple[str, ...] = tuple(
     "a an the of on in with and at by to from for is photo picture painting drawing sign poster label "
     "red green blue yellow orange purple pink black white brown gray golden silver small large tiny big "
     "old new bright dark shiny wooden metal glass paper stone cat dog bird fish horse car bus bike boat "
@@ -33,7 +33,7 @@ _WORDS: tuple[str, ...] = tuple(
 )
 
 
-def _clip_vocab(words: tuple[str, ...] = _WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _clip_vocab(words: tuple[str, ...] = WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     chars = sorted(set(bytes_to_unicode().values()))
@@ -59,7 +59,7 @@ def _clip_vocab(words: tuple[str, ...] = _WORDS) -> tuple[dict[str, int], list[t
     return vocab, merges
 
 
-def _t5_vocab(words: tuple[str, ...] = _WORDS) -> list[tuple[str, float]]:
+def _t5_vocab(words: tuple[str, ...] = WORDS) -> list[tuple[str, float]]:
     vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     seen = {v for v, _ in vocab}
     for word in words:
@@ -75,7 +75,7 @@ def _t5_vocab(words: tuple[str, ...] = _WORDS) -> list[tuple[str, float]]:
     return vocab
 
 
-def build_tokenizers(words: tuple[str, ...] = _WORDS, clip_max_length: int = 77):
+def build_tokenizers(words: tuple[str, ...] = WORDS, clip_max_length: int = 77):
     """CLIP and T5 tokenizers in which each of ``words`` is one token (others: characters); the
     pipeline pads CLIP embeddings to ``clip_max_length`` tokens."""
     from transformers import CLIPTokenizer, T5Tokenizer
@@ -87,7 +87,7 @@ def build_tokenizers(words: tuple[str, ...] = _WORDS, clip_max_length: int = 77)
 
 
 @torch.no_grad()
-def _make_decoder_faithful(vae) -> None:
+def make_decoder_faithful(vae) -> None:
     """Make the randomly initialised decoder show its latent instead of its own texture.
 
     A freshly initialised 4-stage decoder paints nearly the same high-frequency texture over any
@@ -190,7 +190,7 @@ def build_tiny_sd3_components() -> dict:
         mid_block_add_attention=False,
     )
 
-    _make_decoder_faithful(vae)
+    make_decoder_faithful(vae)
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 

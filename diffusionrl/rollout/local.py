@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from diffusionrl.models.sd3 import SD3Adapter
+from diffusionrl.models.base import FlowAdapter
 from diffusionrl.sampling import step_with_logprob
 from diffusionrl.trajectory import Conditioning, Trajectory
 
@@ -29,7 +29,7 @@ class LocalRolloutEngine:
 
     name = "local"
 
-    def __init__(self, adapter: SD3Adapter, transformer: torch.nn.Module, micro_batch_size: int,
+    def __init__(self, adapter: FlowAdapter, transformer: torch.nn.Module, micro_batch_size: int,
                  progress: bool = False):
         self.adapter = adapter
         self.transformer = transformer.eval()
@@ -72,8 +72,8 @@ class LocalRolloutEngine:
         metadata: list[dict] | None = None,
     ) -> Trajectory:
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
-        sigmas, timesteps = self.adapter.schedule(spec.num_steps)
-        negative = spec.negative_prompt if spec.guidance_scale != 1.0 else None
+        sigmas, timesteps = self.adapter.schedule(spec.num_steps, spec.resolution)
+        negative = spec.negative_prompt if self.adapter.needs_negative(spec.guidance_scale) else None
         cond = self.adapter.encode_prompts(prompts, negative, spec.max_sequence_length)
 
         latents, log_probs, images = [], [], []

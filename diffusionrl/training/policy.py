@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
-from diffusionrl.models.sd3 import SD3Adapter
+from diffusionrl.models.base import FlowAdapter
 
 
 class LoraPolicy:
@@ -19,7 +19,7 @@ class LoraPolicy:
     (``reference()``), so no second copy of the base weights is held.
     """
 
-    def __init__(self, adapter: SD3Adapter, model_cfg, seed: int = 0):
+    def __init__(self, adapter: FlowAdapter, model_cfg, seed: int = 0):
         self.adapter = adapter
         targets = adapter.lora_targets(list(model_cfg.lora_targets))
         lora_cfg = LoraConfig(

@@ -63,11 +63,15 @@ class SGLangRolloutEngine:
         model_path: str | None = None,
         dtype: str = "float32",
         server: SGLangServer | None = None,
-        builtin: str = "builtin:tiny-sd3",
+        builtin: str = "",
+        guidance_scale: float | None = None,
     ):
         """``server``: attach to a running server of the same base model instead of launching
-        one (the engine then restarts it if it dies, but does not stop it on ``close``)."""
+        one (the engine then restarts it if it dies, but does not stop it on ``close``).
+        ``guidance_scale``: what a guidance-distilled family's server embeds (FLUX: SGLang takes it
+        per server); requests must then ask for the same scale."""
         self.adapter = adapter
+        self.cfg_pass = adapter.needs_negative(2.0)  # does the family sample with a negative (CFG) pass at all?
         self.micro_batch_size = micro_batch_size
         self.version = 0
         self.verify_weights = verify_weights
@@ -88,9 +92,11 @@ class SGLangRolloutEngine:
         self.builtin = builtin
         self.owns_server = server is None
         if server is None:
+            embedded = None if self.cfg_pass else (3.5 if guidance_scale is None else guidance_scale)
             server = SGLangServer(
                 resolve_sglang_python(python), model_path or self._materialize_model(), PRECISIONS[dtype], port=port,
-                workdir=self.workdir, start_timeout_s=start_timeout_s,
+                workdir=self.workdir, start_timeout_s=start_timeout_s, family=adapter.family,
+                embedded_guidance=embedded,
             )
         self.server = server
         try:
@@ -116,18 +122,20 @@ class SGLangRolloutEngine:
             start_timeout_s=sc.sglang_start_timeout_s,
             max_restarts=sc.sglang_max_restarts,
             model_path=model_folder(cfg.model.name, adapter),
+            builtin=cfg.model.name if cfg.model.name.startswith("builtin:") else "",
             dtype=cfg.model.dtype,
-            **({"builtin": cfg.model.name} if cfg.model.name.startswith("builtin:") else {}),
+            guidance_scale=sc.guidance_scale,
         )
 
     def _materialize_model(self) -> str:
-        """The built-in model (``builtin``: ``builtin:tiny-sd3`` or ``builtin:tiny-sd3-shapes``) as a
-        diffusers folder the server can load (the same weights as the adapter's: seeded build or shipped
-        file; ``verify_weights`` checks the served base weights of the LoRA layers and the module
+        """The builtin model (``builtin``, default the family's ``builtin:tiny-<family>``) as a diffusers
+        folder the server can load (the same weights as the adapter's: a seeded build or shipped
+        weights; ``verify_weights`` checks the served base weights of the LoRA layers and the module
         checksum at start)."""
-        from diffusionrl.models.fetch import BUILTIN_SAVERS
+        from diffusionrl.models.families import save_builtin
 
-        return str(BUILTIN_SAVERS[self.builtin](self.workdir / "model"))
+        path = save_builtin(self.builtin or self.adapter.builtin, self.workdir / "model")
+        return str(path)
 
     # -- plumbing ------------------------------------------------------------------------------
     def _http(self):
@@ -212,7 +220,9 @@ class SGLangRolloutEngine:
             raise SGLangServerError(f"{what}_memory_occupation failed (HTTP {r.status_code}): {json_or_text(r)}")
 
     # -- sampling ------------------------------------------------------------------------------
-    _request = staticmethod(request_body)  # one sample's /rollout/generate body
+    def _request(self, prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpec) -> dict:
+        """One sample's /rollout/generate body."""
+        return request_body(prompt, seed, sde_steps, spec, self.cfg_pass)
 
     def _generate_one(self, body: dict) -> dict:
         r = self._post("/rollout/generate", json=body)
@@ -243,9 +253,9 @@ class SGLangRolloutEngine:
         if spec.sde_type == "ode" and spec.ode_solver != "euler":
             raise NotImplementedError(f"the sglang engine samples ODE steps with Euler only, not {spec.ode_solver!r}")
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
-        bodies = request_bodies(batch.prompts, batch.seeds, batch.sde_mask, spec)
+        bodies = request_bodies(batch.prompts, batch.seeds, batch.sde_mask, spec, self.cfg_pass)
         items = self._with_restart(lambda: self._generate_all(bodies), f"generate({batch.size} samples)")
-        return batch.trajectory(**trajectory_fields(items, spec), policy_version=self.version)
+        return batch.trajectory(**trajectory_fields(items, spec, self.adapter), policy_version=self.version)
 
     def close(self) -> None:
         server = getattr(self, "server", None)

@@ -65,9 +65,12 @@ def decode_tensors(obj):
 # -- requests -------------------------------------------------------------------------------------
 
 
-def request_body(prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpec) -> dict:
-    """The ``/rollout/generate`` body of one sample: SDE steps ``sde_steps``, ODE at the others."""
-    cfg = spec.guidance_scale != 1.0
+def request_body(prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpec, cfg_pass: bool = True) -> dict:
+    """The ``/rollout/generate`` body of one sample: SDE steps ``sde_steps``, ODE at the others.
+    ``cfg_pass``: the family samples with a negative (CFG) pass (SD3); a guidance-distilled one
+    (FLUX) asks for no CFG (``guidance_scale`` 1, SGLang's true-CFG weight) and its server embeds
+    the guidance itself."""
+    cfg = cfg_pass and spec.guidance_scale != 1.0
     return {
         "prompt": prompt,
         "negative_prompt": spec.negative_prompt if cfg else None,
@@ -77,7 +80,7 @@ def request_body(prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpe
         "height": spec.resolution,
         "num_inference_steps": spec.num_steps,
         "num_outputs_per_prompt": 1,
-        "guidance_scale": float(spec.guidance_scale),
+        "guidance_scale": float(spec.guidance_scale) if cfg_pass else 1.0,
         "rollout": True,
         "rollout_sde_type": "sde" if spec.sde_type == "ode" else spec.sde_type,
         "rollout_noise_level": float(spec.noise_level),
@@ -90,11 +93,12 @@ def request_body(prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpe
     }
 
 
-def request_bodies(prompts: list[str], seeds: torch.Tensor, sde_mask: torch.Tensor, spec: SamplingSpec) -> list[dict]:
+def request_bodies(prompts: list[str], seeds: torch.Tensor, sde_mask: torch.Tensor, spec: SamplingSpec,
+                   cfg_pass: bool = True) -> list[dict]:
     """One body per sample; sample i's SDE steps are the true entries of ``sde_mask[i]`` ``[T]``."""
     t = spec.num_steps
     return [
-        request_body(p, int(s), [j for j in range(t) if bool(sde_mask[i, j])], spec)
+        request_body(p, int(s), [j for j in range(t) if bool(sde_mask[i, j])], spec, cfg_pass)
         for i, (p, s) in enumerate(zip(prompts, seeds.tolist()))
     ]
 
@@ -117,10 +121,12 @@ def parse_generate_response(r, seed: int) -> dict:
 # -- answers -> trajectory --------------------------------------------------------------------------
 
 
-def trajectory_fields(items: list[dict], spec: SamplingSpec) -> dict[str, Any]:
+def trajectory_fields(items: list[dict], spec: SamplingSpec, adapter) -> dict[str, Any]:
     """The answers of one batch (in sample order) -> ``sigmas``, ``timesteps``, ``latents``,
-    ``log_probs``, ``conditioning`` and ``images`` of its ``Trajectory``."""
+    ``log_probs``, ``conditioning`` and ``images`` of its ``Trajectory``. Packed latent tokens
+    (FLUX: ``[T+1, seq, 4C]``) are unpacked by the adapter into spatial latents."""
     t = spec.num_steps
+    cfg = adapter.needs_negative(spec.guidance_scale)
     traj0 = items[0]["dit_trajectory"]
     sigmas = traj0["sigmas"].to(torch.float32)  # [T+1], the server's post-shift snapshot
     timesteps = traj0["timesteps"].to(torch.float32)[:t]  # [T] (the server appends a terminal 0)
@@ -129,9 +135,15 @@ def trajectory_fields(items: list[dict], spec: SamplingSpec) -> dict[str, Any]:
         traj = item["dit_trajectory"]
         if not (torch.equal(traj["sigmas"].float(), sigmas) and torch.equal(traj["timesteps"].float()[:t], timesteps)):
             raise SGLangServerError("samples of one batch came back with different schedules")
-        latents.append(traj["latents"].to(torch.float32))  # [T+1, C, h, w]
+        lat = traj["latents"].to(torch.float32)  # [T+1, C, h, w], or packed tokens [T+1, seq, 4C]
+        latents.append(adapter.from_pipeline_latents(lat, spec.resolution) if lat.ndim == 3 else lat)
         log_probs.append(item["rollout_log_probs"].to(torch.float32).reshape(t))  # [T]
         env = item["denoising_env"]
+        if not cfg and env.get("guidance") is not None:  # a guidance-distilled family: the server's embedded scale
+            served = float(env["guidance"].reshape(-1)[0]) / 1000.0
+            if abs(served - spec.guidance_scale) > 1e-6:
+                raise SGLangServerError(f"the server samples with embedded guidance {served:g}, the request asks for "
+                                        f"{spec.guidance_scale:g} (SGLang takes it per server: --embedded-cfg-scale)")
         pos.append(env["pos_cond_kwargs"])
         neg.append(env.get("neg_cond_kwargs"))
         if spec.keep_images:
@@ -142,7 +154,7 @@ def trajectory_fields(items: list[dict], spec: SamplingSpec) -> dict[str, Any]:
         "timesteps": timesteps,
         "latents": torch.stack(latents),  # [B, T+1, C, h, w]
         "log_probs": torch.stack(log_probs),  # [B, T]
-        "conditioning": _conditioning(pos, neg if spec.guidance_scale != 1.0 else None),
+        "conditioning": _conditioning(pos, neg if cfg else None),
         "images": np.stack(images) if images else None,  # [B, H, W, 3] uint8
     }
 

@@ -23,9 +23,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# SGLang picks its native SD3 pipeline by model id; any other id falls back to its diffusers
-# backend, whose /rollout/generate fails.
-SD3_MODEL_ID = "stable-diffusion-3-medium-diffusers"
+# SGLang picks its native pipeline by model id (a local folder's name says nothing); any other id
+# falls back to its diffusers backend, whose /rollout/generate fails. Family -> (model id, number of
+# text encoders: one precision each).
+SERVED_FAMILIES = {"sd3": ("stable-diffusion-3-medium-diffusers", 3), "flux": ("FLUX.1-dev", 2)}
+SD3_MODEL_ID = SERVED_FAMILIES["sd3"][0]
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 SGLANG_PYTHON_ENV = "DIFFUSIONRL_SGLANG_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parents[3]  # diffusionrl/rollout/sglang/server.py -> the repo
@@ -106,10 +108,18 @@ class SGLangServer:
     """One ``sglang serve`` process in its own process group (killed as a group)."""
 
     def __init__(self, python: str, model_path: str, precision: str, port: int = 0, workdir: str | Path | None = None,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, family: str = "sd3", embedded_guidance: float | None = None):
+        """``family``: the adapter's (``SERVED_FAMILIES``); ``embedded_guidance``: the guidance input
+        of a guidance-distilled family (FLUX), which SGLang 0.5.23 takes per server
+        (``--embedded-cfg-scale``), not per request."""
+        if family not in SERVED_FAMILIES:
+            raise SGLangServerError(f"the sglang engine serves the families {sorted(SERVED_FAMILIES)}, not {family!r}; "
+                                    "use sampling.engine=local")
         self.python = python
         self.model_path = model_path
         self.precision = precision
+        self.family = family
+        self.embedded_guidance = embedded_guidance
         self.requested_port = port
         self.port = 0
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="sglang-"))
@@ -128,13 +138,15 @@ class SGLangServer:
 
     def command(self) -> list[str]:
         p = self.precision
+        model_id, encoders = SERVED_FAMILIES[self.family]
+        guidance = [] if self.embedded_guidance is None else ["--embedded-cfg-scale", repr(self.embedded_guidance)]
         return [
             self.python, "-c",
             "import sys; from sglang.cli.main import main; sys.argv[0] = 'sglang'; sys.exit(main())",
-            "serve", "--model-path", self.model_path, "--model-id", SD3_MODEL_ID,
+            "serve", "--model-path", self.model_path, "--model-id", model_id,
             "--host", "127.0.0.1", "--port", str(self.port), "--num-gpus", "1",
-            "--dit-precision", p, "--vae-precision", p, "--text-encoder-precisions", p, p, p,
-            "--warmup-mode", "off",
+            "--dit-precision", p, "--vae-precision", p, "--text-encoder-precisions", *[p] * encoders,
+            *guidance, "--warmup-mode", "off",
         ]
 
     def start(self, attempts: int = 3) -> None:

@@ -1,0 +1,143 @@
+"""Every model family on its tiny builtin model, one JSON object per family (one line each):
+
+- ``ode_parity_max_abs``: our engine's ODE rollout vs the stock diffusers pipeline's ``__call__`` from
+  the same initial latents (max |difference| of the final latents; target <= 1e-5);
+- ``recompute_mean_abs``: mean |rollout log-prob - trainer recompute| before any update, and
+  ``grad_split_max_rel``: max over LoRA tensors of |g_1 - g_4| / |g_1| for 1 vs 4 micro-batches
+  (targets <= 1e-6, <= 1e-5; as bench/exactness.py);
+- ``ours_images_per_s`` / ``stock_images_per_s`` / ``time_ratio``: our SDE rollout with log-probs and
+  trajectory recording vs the stock pipeline, same prompts, seeds, steps, guidance, size and batch,
+  timed alternately in one process (medians; target ratio <= 1.05);
+- ``learning``: the family's tiny preset on jpeg_compressibility for ``--budget-s`` seconds
+  (bench/learning.py's ``run``): ``gain_in_std`` is the last-3-steps mean reward minus the first
+  step's, in units of the first step's reward std (target >= 2 within 10 minutes).
+
+A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
+from the preset's model reference).
+
+    python bench/families.py [--families sd3,flux,qwen-image] [--budget-s 600] [--repeats 5] [--threads 1]
+                             [--skip-learning]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+
+import _common  # sets sys.path and offline env
+import numpy as np
+import torch
+from learning import run as learning_run
+
+from diffusionrl.config import load_config
+from diffusionrl.models import load_adapter
+from diffusionrl.rollout.base import SamplingSpec
+from diffusionrl.rollout.local import LocalRolloutEngine
+from diffusionrl.train import build_loop
+from diffusionrl.training.trainer import UpdateStats
+
+# family -> its tiny preset (Wan: one more line)
+FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image"}
+PROMPTS = ["a red cat on the beach", "a blue car in the city", "a small house", "a golden cake on a table",
+           "a green tree", "a black dog", "a silver robot", "a wooden boat"]
+
+
+def ode_parity(adapter, spec: SamplingSpec, batch: int = 4) -> float:
+    spec = dataclasses.replace(spec, sde_type="ode")
+    prompts, seeds = PROMPTS[:batch], list(range(batch))
+    traj = LocalRolloutEngine(adapter, adapter.transformer, batch).generate(prompts, list(range(batch)), seeds, spec)
+    x0 = traj.latents[:, 0]  # the engine's initial noise, drawn from each sample's seed
+    out = adapter.pipe(prompt=prompts, num_inference_steps=spec.num_steps, height=spec.resolution,
+                       width=spec.resolution, max_sequence_length=spec.max_sequence_length,
+                       latents=adapter.to_pipeline_latents(x0), output_type="latent",
+                       **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * batch)).images
+    return float((adapter.from_pipeline_latents(out, spec.resolution) - traj.latents[:, -1]).abs().max())
+
+
+def _grads(loop, traj, active, micro: int) -> dict[str, torch.Tensor]:
+    traj = dataclasses.replace(traj, micro_batch_size=micro)
+    worker = loop.backend.worker
+    worker.trainer.optimizer.zero_grad(set_to_none=True)
+    units = worker.objective.units(traj, traj.micro_batches(), active, np.random.default_rng(0))
+    assert worker.trainer.accumulate(units, UpdateStats())
+    out = {n: p.grad.detach().clone() for n, p in worker.policy.params.items()}
+    worker.trainer.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def exactness(preset: str) -> dict:
+    cfg = load_config(preset, overrides=["train.prompts_per_step=2", "train.group_size=8",
+                                         "train.micro_batch_size=16"])
+    with tempfile.TemporaryDirectory() as tmp:
+        loop = build_loop(cfg, tmp, progress=False)
+        loop.backend.push_weights(0)
+        traj, active, _ = loop.backend.score(loop.backend.rollout(0))
+        diff, pairs = loop.backend.worker.objective.recompute_log_prob_diff(traj)
+        g1, g4 = _grads(loop, traj, active, traj.batch_size), _grads(loop, traj, active, traj.batch_size // 4)
+        rel = max(float((g1[n] - g4[n]).norm() / g1[n].norm()) for n in g1 if float(g1[n].norm()) > 0)
+        loop.close()
+    return {"recompute_mean_abs": diff, "recompute_pairs": pairs, "grad_split_max_rel": rel}
+
+
+def speed(adapter, spec: SamplingSpec, images: int, repeats: int) -> dict:
+    group = 4
+    prompts = [PROMPTS[(i // group) % len(PROMPTS)] for i in range(images)]
+    groups, seeds = [i // group for i in range(images)], list(range(images))
+    engine = LocalRolloutEngine(adapter, adapter.transformer, micro_batch_size=images)
+    adapter.pipe.set_progress_bar_config(disable=True)
+
+    def ours() -> None:
+        engine.generate(prompts, groups, seeds, spec)
+
+    def stock() -> None:
+        adapter.pipe(prompt=prompts, num_inference_steps=spec.num_steps, height=spec.resolution,
+                     width=spec.resolution, max_sequence_length=spec.max_sequence_length, output_type="np",
+                     generator=[torch.Generator().manual_seed(s) for s in seeds],
+                     **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * images))
+
+    for fn in (ours, stock):  # warm-up
+        fn()
+    times: dict[str, list[float]] = {"ours": [], "stock": []}
+    with torch.no_grad():
+        for i in range(repeats):
+            order = (("ours", ours), ("stock", stock)) if i % 2 == 0 else (("stock", stock), ("ours", ours))
+            for name, fn in order:
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    ours_s, stock_s = statistics.median(times["ours"]), statistics.median(times["stock"])
+    return {"ours_images_per_s": round(images / ours_s, 3), "stock_images_per_s": round(images / stock_s, 3),
+            "time_ratio": round(ours_s / stock_s, 4), "images": images, "repeats": repeats}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--budget-s", type=float, default=600.0, help="wall-time budget of each learning run")
+    ap.add_argument("--images", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-learning", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on shared cores)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for family in args.families.split(","):
+        preset = FAMILIES[family]
+        cfg = load_config(preset)
+        adapter = load_adapter(cfg.model)
+        spec = SamplingSpec.from_config(cfg)
+        result = {"family": family, "preset": preset, "model": cfg.model.name, "resolution": spec.resolution,
+                  "steps": spec.num_steps, "guidance_scale": spec.guidance_scale,
+                  "ode_parity_max_abs": ode_parity(adapter, spec), **exactness(preset),
+                  **speed(adapter, spec, args.images, args.repeats)}
+        if not args.skip_learning:
+            learned = learning_run(None, None, args.budget_s, [], preset=preset)
+            result["learning"] = {k: learned[k] for k in ("gain_in_std", "steps", "wall_s", "reward_first",
+                                                          "reward_last3")}
+        _common.emit(result)
+
+
+if __name__ == "__main__":
+    main()

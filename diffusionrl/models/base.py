@@ -1,0 +1,273 @@
+"""What every model-family adapter shares (``FlowAdapter``): the seam between a diffusers
+flow-matching pipeline and the engines, objectives, evaluation and registry.
+
+The rest of the library talks to a model only through an adapter's methods: encode prompts
+(``encode_prompts`` -> ``Conditioning``), predict a velocity with a given transformer
+(``velocity``: the LoRA policy, the reference, or an engine's copy), name the LoRA targets, decode
+latents to uint8 images (and encode images for SFT), give the sigma schedule of a resolution, the
+latent shape of a resolution, whether a guidance scale needs negative-prompt embeddings
+(``needs_negative``), and a digest of the base weights. Latents are always the VAE's spatial
+latents ``[B, C, H/f, W/f]`` in float32 (a family that packs them, as FLUX does, packs inside
+``velocity``), so trajectories, the SDE step and the Parquet schema are family-independent.
+
+A family subclasses ``FlowAdapter`` in ``models/<family>.py`` (class attributes ``family``,
+``pipeline_class``, ``builtin``, ``components``; methods ``_encode``, ``velocity``, and where it
+differs ``latent_shape`` / ``_timestep_kwargs`` / ``needs_negative``) and is listed in
+``models/families.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import os
+
+import numpy as np
+import torch
+
+from diffusionrl.trajectory import Conditioning
+
+from .truncation import truncation_warnings_dropped
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def hf_token() -> str | None:
+    """The Hugging Face token from the environment (never logged; see tracking for redaction)."""
+    return os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
+
+
+def module_digest(modules: dict[str, torch.nn.Module]) -> str:
+    """sha256 over every named tensor (name, dtype, shape, bytes) of the given modules."""
+    h = hashlib.sha256()
+    for prefix in sorted(modules):
+        for name, tensor in sorted(modules[prefix].state_dict().items()):
+            t = tensor.detach().cpu().contiguous()
+            h.update(f"{prefix}.{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class FlowAdapter:
+    """A diffusers flow-matching text-to-image pipeline behind the interface the library uses."""
+
+    family = ""  # short name (logs, bench/families.py)
+    pipeline_class = ""  # diffusers pipeline class name, as in model_index.json's _class_name
+    builtin = ""  # the builtin:tiny-<family> reference
+    components: tuple[str, ...] = ()  # the pipeline's modules (frozen, eval mode, digested)
+    pipeline_logger = ""  # the diffusers pipeline module whose truncation warnings are replaced
+
+    def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
+        self.pipe = pipe.to(device)
+        self.device = torch.device(device)
+        self.autocast_dtype = autocast_dtype
+        for name in self.components:
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.eval().requires_grad_(False)
+        self._digest: str | None = None
+        self._truncation_warned = False
+        self.log = logging.getLogger(type(self).__module__)
+
+    @staticmethod
+    def build_tiny():
+        """The family's ``builtin`` pipeline, built in code (fp32, CPU)."""
+        raise NotImplementedError
+
+    @classmethod
+    def builtins(cls) -> dict:
+        """The family's built-in models: reference -> builder of its pipeline (fp32, CPU). One by
+        default (``builtin``); a family with pretrained tiny models adds theirs."""
+        return {cls.builtin: cls.build_tiny}
+
+    # -- components ---------------------------------------------------------------------------
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def scheduler(self):
+        return self.pipe.scheduler
+
+    def digest(self) -> str:
+        """Content digest of the base weights (all components), cached."""
+        if self._digest is None:
+            mods = {n: getattr(self.pipe, n) for n in self.components if getattr(self.pipe, n, None) is not None}
+            self._digest = module_digest(mods)
+        return self._digest
+
+    def dead_lora_targets(self) -> set[str]:
+        """Linear layers whose output cannot change the prediction (exact-zero gradient): left out."""
+        return set()
+
+    def lora_targets(self, suffixes: list[str]) -> list[str]:
+        """Full module names of the transformer's linear layers that end with one of ``suffixes``."""
+        dead = self.dead_lora_targets()
+        names = [
+            name
+            for name, module in self.transformer.named_modules()
+            if isinstance(module, torch.nn.Linear) and any(name.endswith(s) for s in suffixes) and name not in dead
+        ]
+        if not names:
+            raise ValueError(f"no transformer module matches the LoRA targets {suffixes}")
+        return names
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
+
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        """``(C, H, W)`` of one sample's spatial latent at ``resolution`` pixels."""
+        f = self.vae_scale_factor
+        return (self.transformer.config.in_channels, resolution // f, resolution // f)
+
+    def _timestep_kwargs(self, num_steps: int, resolution: int | None) -> dict:
+        """What the stock pipeline passes to ``scheduler.set_timesteps`` (besides the device)."""
+        return {"num_inference_steps": num_steps}
+
+    def schedule(self, num_steps: int, resolution: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scheduler's own shifted ``sigmas [T+1]`` and ``timesteps [T]``, float32, CPU, as the
+        stock pipeline sets them for ``resolution`` (which only resolution-dependent shifts read)."""
+        scheduler = copy.deepcopy(self.scheduler)
+        scheduler.set_timesteps(device="cpu", **self._timestep_kwargs(num_steps, resolution))
+        sigmas = scheduler.sigmas.detach().to(torch.float32).clone()
+        timesteps = scheduler.timesteps.detach().to(torch.float32).clone()
+        if sigmas.shape[0] != num_steps + 1 or float(sigmas[-1]) != 0.0:
+            raise ValueError(
+                f"scheduler gave {sigmas.shape[0]} sigmas ending in {float(sigmas[-1])}; expected T+1 ending in 0"
+            )
+        return sigmas, timesteps
+
+    def needs_negative(self, guidance_scale: float) -> bool:
+        """Whether sampling at ``guidance_scale`` runs a CFG pass on negative-prompt embeddings."""
+        return guidance_scale != 1.0
+
+    # -- the stock pipeline's forms (parity tests and bench/families.py call the pipeline itself) --
+    def to_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Spatial latents ``[B, C, H, W]`` -> what the stock pipeline's ``latents=`` argument takes."""
+        return latents
+
+    def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+        """The stock pipeline's ``output_type="latent"`` output -> spatial latents ``[B, C, H, W]``."""
+        return latents
+
+    def pipeline_kwargs(self, guidance_scale: float, negative_prompt: str | list[str]) -> dict:
+        """The guidance arguments of the stock pipeline's ``__call__`` that sample as ``velocity`` does
+        (``negative_prompt``: one per prompt gives the pipeline our batch layout)."""
+        kwargs: dict = {"guidance_scale": guidance_scale}
+        if self.needs_negative(guidance_scale):
+            kwargs["negative_prompt"] = negative_prompt
+        return kwargs
+
+    # -- text -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(
+        self, prompts: list[str], negative_prompt: str | None, max_sequence_length: int
+    ) -> Conditioning:
+        """Embeddings for each prompt (each distinct prompt encoded once) and, if
+        ``negative_prompt`` is not None, the negative prompt's, expanded to the batch."""
+        position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+        unique = list(position)
+        index = torch.tensor([position[p] for p in prompts], device=self.device)
+        embeds, pooled, mask = self._encode_quietly(unique, max_sequence_length)
+        cond = Conditioning(embeds.index_select(0, index), pooled.index_select(0, index),
+                            prompt_embeds_mask=None if mask is None else mask.index_select(0, index))
+        if negative_prompt is not None:
+            neg, neg_pooled, neg_mask = self._encode_quietly([negative_prompt], max_sequence_length)
+            b = len(prompts)
+            cond.negative_prompt_embeds = neg.expand(b, *neg.shape[1:]).contiguous()
+            cond.negative_pooled_embeds = neg_pooled.expand(b, *neg_pooled.shape[1:]).contiguous()
+            if neg_mask is not None:
+                cond.negative_prompt_embeds_mask = neg_mask.expand(b, *neg_mask.shape[1:]).contiguous()
+        return cond
+
+    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
+        """The pipeline's own (no-CFG) embeddings of ``texts``: ``(prompt [N, S, D], pooled [N, P],
+        token mask [N, S] or None)``."""
+        raise NotImplementedError
+
+    def _encode_quietly(self, texts: list[str], max_sequence_length: int) -> tuple:
+        """``_encode`` with diffusers' per-call truncation warnings replaced by ``warn_truncated``'s one."""
+        with truncation_warnings_dropped(self.pipeline_logger) as dropped:
+            out = self._encode(texts, max_sequence_length)
+        if any(quiet.dropped for quiet in dropped.values()):
+            self.warn_truncated(texts, max_sequence_length)
+        return out
+
+    def _token_limits(self, max_sequence_length: int) -> list[tuple[object, int, str]]:
+        """(tokenizer, token limit, how to say it) for each text encoder."""
+        clip_limit = self.pipe.tokenizer_max_length
+        return [(self.pipe.tokenizer, clip_limit, f"CLIP takes {clip_limit} tokens")]
+
+    def warn_truncated(self, prompts: list[str], max_sequence_length: int) -> int:
+        """Warn once (per adapter) about the prompts the text encoders cut short. The training loop
+        calls it on all prompts once the model is loaded; ``encode_prompts`` calls it if diffusers
+        reports a truncation first. Returns how many of ``prompts`` are truncated."""
+        if self._truncation_warned:
+            return 0
+        unique = list(dict.fromkeys(prompts))
+        long: dict[str, None] = {}
+        hit = []
+        for tokenizer, limit, what in self._token_limits(max_sequence_length):
+            if tokenizer is None:
+                continue
+            ids = tokenizer(unique, verbose=False).input_ids  # verbose=False: no "longer than maximum" warning
+            over = [p for p, i in zip(unique, ids) if len(i) > limit]
+            if over:
+                hit.append(what)
+                long.update(dict.fromkeys(over))
+        if long:
+            self._truncation_warned = True
+            longest = max(long, key=len)
+            self.log.warning("%d of %d prompts are longer than the text encoders take and are truncated (%s), e.g. "
+                             "a prompt of %d characters starting %r; this is reported once", len(long), len(unique),
+                             "; ".join(hit), len(longest), longest[:60])
+        return len(long)
+
+    # -- velocity -------------------------------------------------------------------------------
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_dtype(self, transformer: torch.nn.Module) -> torch.dtype:
+        return transformer.dtype if self.autocast_dtype is None else self.autocast_dtype
+
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        cond: Conditioning,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """The velocity ``[B, C, H, W]`` float32 of spatial ``latents`` at scheduler ``timestep``
+        (``sigma * num_train_timesteps``; a scalar or one per sample), computed with ``transformer``."""
+        raise NotImplementedError
+
+    # -- images ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, images: np.ndarray) -> torch.Tensor:
+        """uint8 images ``[B, H, W, 3]`` -> clean latents ``[B, C, H/f, W/f]`` float32 (the VAE posterior's
+        mode, shifted and scaled as ``decode`` undoes)."""
+        vae = self.pipe.vae
+        x = torch.as_tensor(np.asarray(images), device=self.device).permute(0, 3, 1, 2).to(vae.dtype) / 127.5 - 1
+        z = vae.encode(x).latent_dist.mode()
+        return ((z.float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor).float()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Clean latents ``[B, C, H, W]`` -> uint8 images ``[B, H*f, W*f, 3]``."""
+        vae = self.pipe.vae
+        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        image = vae.decode(z, return_dict=False)[0].float()
+        image = (image / 2 + 0.5).clamp(0, 1)
+        return (image.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).cpu().numpy()

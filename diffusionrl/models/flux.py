@@ -1,0 +1,98 @@
+"""Model-family adapter for FLUX.1 (diffusers ``FluxPipeline``).
+
+What differs from SD3 (``models/sd3.py``), and where the adapter absorbs it:
+- Guidance-distilled: ``guidance_scale`` is an input of the transformer (its guidance embedding,
+  FLUX.1-dev's default 3.5), not a CFG mix; there is no negative pass (``needs_negative`` is
+  False), so one forward per step. (diffusers' optional ``true_cfg_scale`` is not used.)
+- Packed latents (``models/packed.py``, shared with Qwen-Image): the transformer takes 2x2 patches
+  of the 16-channel VAE latent as 64-channel tokens ``[B, (H/2)(W/2), 64]`` with position ids
+  (``img_ids``: row/column per token, ``txt_ids``: zeros per text token) for its RoPE.
+  Trajectories keep the spatial latent ``[B, 16, H, W]``; ``velocity`` packs, runs, and unpacks
+  (pure permutations: exact).
+- Timestep: the transformer takes ``t / 1000`` (it multiplies by 1000 inside), as the pipeline does.
+- Text: the pooled output of CLIP (``CLIPTextModel``), T5's sequence; one encoder pair, no
+  ``tokenizer_3``.
+- Schedule (``models/packed.py``): ``sigmas = linspace(1, 1/T, T)`` shifted by ``mu``, linear in the
+  number of image tokens, when the scheduler uses dynamic shifting (FLUX.1-dev does): the schedule
+  depends on the resolution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffusionrl.trajectory import Conditioning
+
+from .base import FlowAdapter
+from .packed import PackedLatents, pack, unpack
+from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline
+
+__all__ = ["FluxAdapter", "image_ids", "pack", "unpack"]
+
+
+def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+    """Position ids ``[(H/2)(W/2), 3]`` of the packed tokens (``FluxPipeline._prepare_latent_image_ids``)."""
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] = ids[..., 1] + torch.arange(h // 2)[:, None]
+    ids[..., 2] = ids[..., 2] + torch.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+class FluxAdapter(PackedLatents, FlowAdapter):
+    """FLUX.1 behind the interface the engines and the trainer use."""
+
+    family = "flux"
+    pipeline_class = "FluxPipeline"
+    builtin = TINY_FLUX_REF
+    components = ("transformer", "vae", "text_encoder", "text_encoder_2")
+    pipeline_logger = "diffusers.pipelines.flux.pipeline_flux"
+
+    @staticmethod
+    def build_tiny():
+        return build_tiny_flux_pipeline()
+
+    def needs_negative(self, guidance_scale: float) -> bool:
+        return False  # guidance-distilled: the scale is an input of the transformer
+
+    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=texts, prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=max_sequence_length,
+        )
+        return embeds, pooled, None
+
+    def _token_limits(self, max_sequence_length: int) -> list[tuple[object, int, str]]:
+        return super()._token_limits(max_sequence_length) + [
+            (self.pipe.tokenizer_2, max_sequence_length, f"T5 model.max_sequence_length={max_sequence_length}")
+        ]
+
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        cond: Conditioning,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """One forward on the packed latents with the guidance embedding; float32 ``[B, C, H, W]``."""
+        b, _, h, w = latents.shape
+        dtype = self.forward_dtype(transformer)
+        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
+        t = t.expand(b) if t.numel() == 1 else t
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(b)
+        embeds = cond.prompt_embeds.to(self.device, dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dtype)
+        with self.autocast():
+            out = transformer(
+                hidden_states=pack(latents.to(self.device, dtype)),
+                timestep=t / 1000,
+                guidance=guidance,
+                pooled_projections=cond.pooled_embeds.to(self.device, dtype),
+                encoder_hidden_states=embeds,
+                txt_ids=txt_ids,
+                img_ids=image_ids(h, w, self.device, dtype),
+                return_dict=False,
+            )[0]
+        return unpack(out.float(), h, w)

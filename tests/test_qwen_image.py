@@ -1,0 +1,152 @@
+"""Qwen-Image through the model-family seam: builtin:tiny-qwen-image (loadable by the stock
+QwenImagePipeline), true-CFG parity with the stock pipeline with padded text (token masks), the
+exactness invariants (docs/algorithms.md section 11), dead LoRA targets, NFT end to end."""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from diffusionrl.models import (
+    QwenImageAdapter,
+    adapter_class,
+    build_tiny_qwen_image_pipeline,
+    module_digest,
+    save_tiny_qwen_image,
+)
+from diffusionrl.rollout.base import SamplingSpec
+from diffusionrl.rollout.local import LocalRolloutEngine
+from diffusionrl.train import build_loop
+from diffusionrl.training.trainer import UpdateStats
+from diffusionrl.trajectory_store import read_trajectory, write_step
+
+from .conftest import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["a red cat", "a dog on the big beach"]  # different lengths: the shorter one is padded
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return QwenImageAdapter(build_tiny_qwen_image_pipeline(), device="cpu")
+
+
+def test_same_weights_on_every_build_and_the_stock_pipeline_loads_the_saved_folder(qwen, tmp_path):
+    from diffusers import QwenImagePipeline
+
+    again = build_tiny_qwen_image_pipeline()
+    assert module_digest({n: getattr(again, n) for n in qwen.components}) == qwen.digest()
+    save_tiny_qwen_image(tmp_path / "tiny")
+    pipe = QwenImagePipeline.from_pretrained(tmp_path / "tiny")
+    out = pipe(prompt="a red cat", negative_prompt=" ", true_cfg_scale=4.0, num_inference_steps=2, height=32,
+               width=32, generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 32, 32, 3)
+    assert QwenImageAdapter(pipe).digest() == qwen.digest()
+    assert adapter_class(str(tmp_path / "tiny")) is QwenImageAdapter
+
+
+def test_the_prompt_reaches_the_conditioning_past_the_template(qwen):
+    """The pipeline drops the template's first 34 positions: the tiny tokenizer makes them exactly the
+    template prefix, so what is left is the prompt (+ the template's 5 closing tokens), padded."""
+    cond = qwen.encode_prompts(PROMPTS, " ", 64)
+    lengths = cond.prompt_embeds_mask.sum(1).tolist()
+    assert lengths[0] < lengths[1] == cond.prompt_embeds.shape[1]
+    assert cond.pooled_embeds.shape == (2, 0) and cond.negative_prompt_embeds.shape[0] == 2
+    single = qwen.encode_prompts(PROMPTS[:1], None, 64)
+    torch.testing.assert_close(single.prompt_embeds[0], cond.prompt_embeds[0, : lengths[0]], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("guidance", [4.0, 1.0])
+def test_ode_sampling_equals_the_stock_qwen_image_pipeline(qwen, guidance):
+    """Same initial latents; true CFG with the norm rescale (4.0) and without (1.0): <= 1e-5 (measured 0.0)."""
+    spec = SamplingSpec(resolution=32, num_steps=4, guidance_scale=guidance, sde_type="ode", negative_prompt=" ",
+                        max_sequence_length=64)
+    traj = LocalRolloutEngine(qwen, qwen.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    assert traj.conditioning.prompt_embeds_mask is not None  # padded text goes through the mask
+    stock = qwen.pipe(prompt=PROMPTS, num_inference_steps=4, height=32, width=32, max_sequence_length=64,
+                      latents=qwen.to_pipeline_latents(traj.latents[:, 0]), output_type="latent",
+                      **qwen.pipeline_kwargs(guidance, [" "] * 2)).images
+    diff = float((qwen.from_pipeline_latents(stock, 32) - traj.latents[:, -1]).abs().max())
+    assert diff <= 1e-5, diff
+    assert torch.equal(qwen.pipe.scheduler.sigmas.float(), traj.sigmas)
+
+
+def test_token_masks_survive_the_trajectory_parquet(qwen, tmp_path):
+    spec = SamplingSpec(resolution=32, num_steps=2, guidance_scale=4.0, negative_prompt=" ", max_sequence_length=64)
+    traj = LocalRolloutEngine(qwen, qwen.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    traj = traj.with_rewards(torch.zeros(2), {}, torch.zeros(2))
+    path = write_step(tmp_path, traj, run_id="r", step=1, latents=True)
+    back = read_trajectory(path)
+    assert torch.equal(back.conditioning.prompt_embeds_mask, traj.conditioning.prompt_embeds_mask)
+    assert back.conditioning.prompt_embeds_mask.dtype == torch.int64
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    cfg = tiny_config("algorithm.kl_beta=0.04", "model.max_sequence_length=64", preset="tiny-cpu-qwen-image")
+    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
+    lp.backend.push_weights(0)
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def scored(loop):
+    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
+    return traj, active
+
+
+def test_recomputed_log_probs_equal_rollout_log_probs_before_the_update(loop, scored):
+    traj, _ = scored
+    assert isinstance(loop.backend.worker.adapter, QwenImageAdapter)
+    assert traj.conditioning.negative_prompt_embeds is not None  # true CFG at 4.0
+    diff, pairs = loop.backend.worker.objective.recompute_log_prob_diff(traj)
+    assert pairs == int(traj.sde_mask.sum()) and pairs > 0 and diff <= 1e-6, diff
+
+
+def test_gradient_does_not_depend_on_the_micro_batch_split(loop, scored):
+    traj, active = scored
+    worker = loop.backend.worker
+
+    def grads(micro):
+        t = dataclasses.replace(traj, micro_batch_size=micro)
+        worker.trainer.optimizer.zero_grad(set_to_none=True)
+        assert worker.trainer.accumulate(worker.objective.units(t, t.micro_batches(), active,
+                                                                np.random.default_rng(0)), UpdateStats())
+        out = {n: p.grad.detach().clone() for n, p in worker.policy.params.items()}
+        worker.trainer.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    one, many = grads(8), grads(2)
+    num = max(float((one[n] - many[n]).norm()) for n in one)
+    den = max(float(one[n].norm()) for n in one)
+    assert den > 0 and num / den <= 1e-5, num / den
+
+
+def test_every_lora_parameter_changes_after_a_step(loop, scored):
+    """Also shows the dead targets are the right ones: the last block's text-output layers are left out."""
+    traj, active = scored
+    params = " ".join(loop.backend.worker.policy.params)
+    assert "transformer_blocks.0.attn.to_add_out." in params and "transformer_blocks.1.attn.to_add_out." not in params
+    assert "transformer_blocks.1.attn.add_k_proj." in params  # text keys of the last block still reach the image
+    before = loop.backend.worker.policy.lora_state()
+    metrics = loop.backend.update(traj, active, step=0)
+    after = loop.backend.worker.policy.lora_state()
+    unchanged = [n for n in before if torch.equal(before[n], after[n])]
+    assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
+    assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6
+
+
+def test_nft_trains_on_qwen_image_end_to_end(tmp_path):
+    cfg = tiny_config("train.steps=1", "algorithm.name=nft", "algorithm.kl_beta=0.0001", "sampling.guidance_scale=1.0",
+                      preset="tiny-cpu-qwen-image")
+    lp = build_loop(cfg, tmp_path, progress=False)
+    before = copy.deepcopy(lp.backend.worker.policy.lora_state())
+    result = lp.run(resume=None)
+    after = lp.backend.worker.policy.lora_state()
+    lp.close()
+    assert result.steps_done == 1 and all(not torch.equal(before[n], after[n]) for n in before)
+    assert (result.model_dir / "adapter_model.safetensors").is_file()
