@@ -17,8 +17,9 @@ from .base import DTYPES, FlowAdapter, hf_token, resolve_device
 from .flux import FluxAdapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
+from .wan import WanAdapter
 
-ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter)
+ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter)
 
 
 class UnknownModelFamily(ValueError):
@@ -35,7 +36,7 @@ def pipeline_class_of(reference: str, revision: str = "") -> str:
         for adapter in ADAPTERS:
             if adapter.builtin == reference:
                 return adapter.pipeline_class
-        raise UnknownModelFamily(f"unknown builtin model {reference!r}; the built-in image models are "
+        raise UnknownModelFamily(f"unknown builtin model {reference!r}; the built-in models are "
                                  f"{builtin_names()}")
     path = Path(reference).expanduser()
     if path.exists():
