@@ -15,13 +15,14 @@ from diffusionrl.models import load_adapter
 from diffusionrl.rewards import MixtureReward
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
+from diffusionrl.video import side_by_side, stacked
 
 
 @dataclass
 class EvalResult:
     table: pd.DataFrame  # one row per prompt: base_* and tuned_* rewards, win
     summary: dict[str, float]  # eval/<reward>_mean (tuned), eval/base_<reward>_mean, eval/win_rate, ...
-    grid: np.ndarray  # uint8 image grid: base row above tuned row, per prompt columns
+    grid: np.ndarray  # uint8 grid [H, W, 3] (video: [F, H, W, 3]): base row above tuned row, per prompt columns
     base_images: np.ndarray
     tuned_images: np.ndarray
 
@@ -92,7 +93,5 @@ def evaluate_lora(
             "eval/num_prompts": float(len(rows)),
         }
     )
-    grid = np.concatenate(
-        [np.concatenate(list(base.images), axis=1), np.concatenate(list(tuned.images), axis=1)], axis=0
-    )
+    grid = stacked([side_by_side(base.images), side_by_side(tuned.images)])  # video: one grid per frame
     return EvalResult(table, summary, grid, base.images, tuned.images)

@@ -1,4 +1,4 @@
-"""Looking up registered rewards by name; the built-in ones (jpeg, ocr, pickscore) register on first use."""
+"""Looking up registered rewards by name; the built-in ones (jpeg, ocr, pickscore, video) register on first use."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from diffusionrl.configtree import ConfigError
 
 from .base import _REGISTRY, Reward, validates_prompts
 
-BUILTIN = ("jpeg", "ocr", "pickscore")  # modules of this package that register rewards
+BUILTIN = ("jpeg", "ocr", "pickscore", "video")  # modules of this package that register rewards
 OPTIONAL = ("ocr", "pickscore")  # skipped when a dependency they need at import is missing
 
 
