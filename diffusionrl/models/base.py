@@ -8,7 +8,9 @@ latents to uint8 images (and encode images for SFT), give the sigma schedule of 
 latent shape of a resolution, whether a guidance scale needs negative-prompt embeddings
 (``needs_negative``), and a digest of the base weights. Latents are always the VAE's spatial
 latents ``[B, C, H/f, W/f]`` in float32 (a family that packs them, as FLUX does, packs inside
-``velocity``), so trajectories, the SDE step and the Parquet schema are family-independent.
+``velocity``), or for a video family (``video = True``, e.g. Wan) its ``[B, C, F', H/f, W/f]``
+(``sample_shape``), so trajectories, the SDE step and the Parquet schema are family-independent
+(they reduce over all non-batch dims).
 
 A family subclasses ``FlowAdapter`` in ``models/<family>.py`` (class attributes ``family``,
 ``pipeline_class``, ``builtin``, ``components``; methods ``_encode``, ``velocity``, and where it
