@@ -71,12 +71,14 @@ class WanAdapter(FlowAdapter):
     def needs_negative(self, guidance_scale: float) -> bool:
         return guidance_scale > 1.0  # WanPipeline.do_classifier_free_guidance
 
-    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
+        """UMT5 embeddings padded with zeros to ``max_sequence_length``, no pooled embedding, no token
+        mask: ``WanPipeline`` zeroes the padding and passes no mask to the transformer."""
         embeds, _ = self.pipe.encode_prompt(
             prompt=texts, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length,
             device=self.device,
         )
-        return embeds, embeds.new_zeros(embeds.shape[0], 0)
+        return embeds, embeds.new_zeros(embeds.shape[0], 0), None
 
     def _token_limits(self, max_sequence_length: int) -> list[tuple[object, int, str]]:
         return [(self.pipe.tokenizer, max_sequence_length, f"UMT5 model.max_sequence_length={max_sequence_length}")]
