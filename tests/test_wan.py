@@ -143,3 +143,10 @@ def test_nft_trains_on_wan_end_to_end(tmp_path):
     assert all(not torch.equal(before[n], after[n]) for n in before)
     assert all(np.isfinite(v) for v in result.metrics[0].values())
     assert (result.model_dir / "adapter_model.safetensors").is_file()
+
+
+def test_the_sglang_engine_refuses_wan_naming_why():
+    from diffusionrl.rollout.sglang.server import SGLangServer, SGLangServerError
+
+    with pytest.raises(SGLangServerError, match="not 'wan'.*fused_norm_scale_shift_cpu.*sampling.engine=local"):
+        SGLangServer("python", "/nonexistent", "fp32", family="wan")
