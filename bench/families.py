@@ -5,17 +5,19 @@
 - ``recompute_mean_abs``: mean |rollout log-prob - trainer recompute| before any update, and
   ``grad_split_max_rel``: max over LoRA tensors of |g_1 - g_4| / |g_1| for 1 vs 4 micro-batches
   (targets <= 1e-6, <= 1e-5; as bench/exactness.py);
-- ``ours_images_per_s`` / ``stock_images_per_s`` / ``time_ratio``: our SDE rollout with log-probs and
+- ``ours_images_per_s`` / ``stock_images_per_s`` / ``time_ratio`` (for a video family, ``sample`` says
+  so: videos per second): our SDE rollout with log-probs and
   trajectory recording vs the stock pipeline, same prompts, seeds, steps, guidance, size and batch,
   timed alternately in one process (medians; target ratio <= 1.05);
-- ``learning``: the family's tiny preset on jpeg_compressibility for ``--budget-s`` seconds
+- ``learning``: the family's tiny preset on jpeg_compressibility (a video family: its preset's reward,
+  ``LEARNING_OVERRIDES``) for ``--budget-s`` seconds
   (bench/learning.py's ``run``): ``gain_in_std`` is the last-3-steps mean reward minus the first
   step's, in units of the first step's reward std (target >= 2 within 10 minutes).
 
 A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
 from the preset's model reference).
 
-    python bench/families.py [--families sd3,flux,qwen-image] [--budget-s 600] [--repeats 5] [--threads 1]
+    python bench/families.py [--families sd3,flux,qwen-image,wan] [--budget-s 600] [--repeats 5] [--threads 1]
                              [--skip-learning]
 """
 
@@ -39,10 +41,25 @@ from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 
-# family -> its tiny preset (Wan: one more line)
-FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image"}
+# family -> its tiny preset
+FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan"}
+# The learning run's reward where it is not jpeg_compressibility alone: a video family learns its
+# preset's reward, per-frame JPEG compressibility + temporal consistency (on tiny-wan, 40 steps: the
+# per-frame JPEG reward alone gains ~0.7 first-step stds, the sum ~6).
+LEARNING_OVERRIDES = {"wan": ["reward.weights={jpeg_compressibility: 1.0, temporal_consistency: 1.0}"]}
 PROMPTS = ["a red cat on the beach", "a blue car in the city", "a small house", "a golden cake on a table",
            "a green tree", "a black dog", "a silver robot", "a wooden boat"]
+
+
+def stock(adapter, spec: SamplingSpec, **kwargs):
+    """The stock pipeline's ``__call__`` at ``spec``'s size (and frame count, for a video family):
+    its ``.frames`` (video) or ``.images``."""
+    frames = {"num_frames": spec.num_frames} if adapter.video else {}
+    out = adapter.pipe(num_inference_steps=spec.num_steps, height=spec.resolution, width=spec.resolution,
+                       max_sequence_length=spec.max_sequence_length, **frames,
+                       **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * len(kwargs["prompt"])),
+                       **kwargs)
+    return out.frames if adapter.video else out.images
 
 
 def ode_parity(adapter, spec: SamplingSpec, batch: int = 4) -> float:
@@ -50,10 +67,7 @@ def ode_parity(adapter, spec: SamplingSpec, batch: int = 4) -> float:
     prompts, seeds = PROMPTS[:batch], list(range(batch))
     traj = LocalRolloutEngine(adapter, adapter.transformer, batch).generate(prompts, list(range(batch)), seeds, spec)
     x0 = traj.latents[:, 0]  # the engine's initial noise, drawn from each sample's seed
-    out = adapter.pipe(prompt=prompts, num_inference_steps=spec.num_steps, height=spec.resolution,
-                       width=spec.resolution, max_sequence_length=spec.max_sequence_length,
-                       latents=adapter.to_pipeline_latents(x0), output_type="latent",
-                       **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * batch)).images
+    out = stock(adapter, spec, prompt=prompts, latents=adapter.to_pipeline_latents(x0), output_type="latent")
     return float((adapter.from_pipeline_latents(out, spec.resolution) - traj.latents[:, -1]).abs().max())
 
 
@@ -92,25 +106,24 @@ def speed(adapter, spec: SamplingSpec, images: int, repeats: int) -> dict:
     def ours() -> None:
         engine.generate(prompts, groups, seeds, spec)
 
-    def stock() -> None:
-        adapter.pipe(prompt=prompts, num_inference_steps=spec.num_steps, height=spec.resolution,
-                     width=spec.resolution, max_sequence_length=spec.max_sequence_length, output_type="np",
-                     generator=[torch.Generator().manual_seed(s) for s in seeds],
-                     **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * images))
+    def theirs() -> None:
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        stock(adapter, spec, prompt=prompts, output_type="np", generator=generators)
 
-    for fn in (ours, stock):  # warm-up
+    for fn in (ours, theirs):  # warm-up
         fn()
     times: dict[str, list[float]] = {"ours": [], "stock": []}
     with torch.no_grad():
         for i in range(repeats):
-            order = (("ours", ours), ("stock", stock)) if i % 2 == 0 else (("stock", stock), ("ours", ours))
+            order = (("ours", ours), ("stock", theirs)) if i % 2 == 0 else (("stock", theirs), ("ours", ours))
             for name, fn in order:
                 t = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t)
     ours_s, stock_s = statistics.median(times["ours"]), statistics.median(times["stock"])
     return {"ours_images_per_s": round(images / ours_s, 3), "stock_images_per_s": round(images / stock_s, 3),
-            "time_ratio": round(ours_s / stock_s, 4), "images": images, "repeats": repeats}
+            "time_ratio": round(ours_s / stock_s, 4), "images": images, "repeats": repeats,
+            "sample": f"video of {spec.num_frames} frames" if adapter.video else "image"}
 
 
 def main() -> None:
@@ -133,7 +146,7 @@ def main() -> None:
                   "ode_parity_max_abs": ode_parity(adapter, spec), **exactness(preset),
                   **speed(adapter, spec, args.images, args.repeats)}
         if not args.skip_learning:
-            learned = learning_run(None, None, args.budget_s, [], preset=preset)
+            learned = learning_run(None, None, args.budget_s, LEARNING_OVERRIDES.get(family, []), preset=preset)
             result["learning"] = {k: learned[k] for k in ("gain_in_std", "steps", "wall_s", "reward_first",
                                                           "reward_last3")}
         _common.emit(result)

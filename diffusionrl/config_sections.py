@@ -49,6 +49,7 @@ class ModelConfig:
 @dataclass
 class SamplingConfig:
     resolution: int = option(64, "Image height and width in pixels (a multiple of 16)")
+    num_frames: int = option(1, "Frames per sample: 1 for image models; video models (Wan) take 1 + 4k (5, 33, 81)")
     eval_resolution: int = option(0, "Evaluation and registered-model image size (0 = resolution): train lower")
     num_steps: int = option(10, "Denoising steps T of a rollout")
     guidance_scale: float = option(4.5, "Guidance scale g: SD3's classifier-free guidance (1.0 = no CFG pass); "
@@ -86,6 +87,7 @@ class SamplingConfig:
         check_positive("sampling", "sglang_ipc_bucket_mb", self.sglang_ipc_bucket_mb)
         check_positive("sampling", "sglang_start_timeout_s", self.sglang_start_timeout_s)
         check_positive("sampling", "sglang_max_restarts", self.sglang_max_restarts, allow_zero=True)
+        check_positive("sampling", "num_frames", self.num_frames)
         if self.resolution <= 0 or self.resolution % 16:
             raise ConfigError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
         if self.eval_resolution < 0 or self.eval_resolution % 16:

@@ -19,6 +19,7 @@ from diffusionrl.models import load_adapter
 from diffusionrl.rewards import MixtureReward
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
+from diffusionrl.video import side_by_side, stacked
 
 
 @dataclass
@@ -27,7 +28,7 @@ class EvalResult:
     # eval/<reward>_mean (tuned), eval/base_<reward>_mean, eval/win_rate, ...; a reward's per-sample
     # values (geneval_mini's success) as eval/[base_]<reward>_<key> overall and .../<category> per category
     summary: dict[str, float]
-    grid: np.ndarray  # uint8 image grid: base row above tuned row, per prompt columns
+    grid: np.ndarray  # uint8 grid [H, W, 3] (video: [F, H, W, 3]): base row above tuned row, per prompt columns
     base_images: np.ndarray
     tuned_images: np.ndarray
 
@@ -109,7 +110,5 @@ def evaluate_lora(
             "eval/num_prompts": float(len(rows)),
         }
     )
-    grid = np.concatenate(
-        [np.concatenate(list(base.images), axis=1), np.concatenate(list(tuned.images), axis=1)], axis=0
-    )
+    grid = stacked([side_by_side(base.images), side_by_side(tuned.images)])  # video: one grid per frame
     return EvalResult(table, summary, grid, base.images, tuned.images)

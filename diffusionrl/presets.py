@@ -283,6 +283,72 @@ TINY_CPU_QWEN_IMAGE: dict[str, Any] = {
     "tracking": {"registered_model": "tiny-qwen-image-jpeg"},
 }
 
+# Wan2.1 T2V's LoRA targets in flow_grpo's scripts/train_wan2_1.py: the attention projections (as suffixes
+# they match the self-attention attn1 and the cross-attention attn2 of every block; flow_grpo's add_*
+# names only exist in the image-to-video model).
+WAN_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-wan, 32 px x 5 frames (2 latent frames), CFG 5.0 (Wan's
+# default; two forwards a step), the reward the per-frame JPEG compressibility (averaged over frames)
+# plus the temporal consistency (-mean frame-to-frame change); LoRA also on the feed-forward and output
+# projections (as tiny-cpu adds them for SD3); 4 groups of 4 videos (a video costs ~ 2 images of work).
+TINY_CPU_WAN: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-wan",
+              "lora_targets": WAN_LORA_TARGETS + ["ffn.net.0.proj", "ffn.net.2", "proj_out"]},
+    "sampling": {"resolution": 32, "num_frames": 5, "guidance_scale": 5.0},
+    "reward": {"weights": {"jpeg_compressibility": 1.0, "temporal_consistency": 1.0}},
+    "train": {"prompts_per_step": 4, "group_size": 4, "micro_batch_size": 4},
+    "eval": {"guidance_scale": 5.0},
+    "tracking": {"registered_model": "tiny-wan-jpeg-temporal"},
+}
+
+# Over TINY_CPU_NFT + TINY_CPU_WAN: DiffusionNFT samples and trains CFG-free (guidance 1.0: one forward a step).
+TINY_CPU_WAN_NFT: dict[str, Any] = {"sampling": {"guidance_scale": 1.0}, "eval": {"guidance_scale": 1.0}}
+
+# Wan2.1-T2V-1.3B, flow_grpo's general_ocr_wan2_1 recipe (config/grpo.py; scripts/train_wan2_1.py): the hub
+# model with an fp32 LoRA r32/alpha64 on WAN_LORA_TARGETS, UMT5 prompts of 512 tokens, 33 frames, 20
+# sampling steps at CFG 4.5 with the empty negative prompt, 50 evaluation steps, 4 videos per prompt,
+# 8 videos per micro-batch, OCR reward. flow_grpo samples 240x416; our resolution is square: 256 (also
+# Flow-Factory's Wan2.1 T2V training resolution). bf16 forward with EMA 0.9, as the reference's
+# mixed-precision LoRA runs; 8 ranks each with a colocated local rollout engine.
+WAN21_T2V_OCR: dict[str, Any] = {
+    "model": {
+        "name": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_sequence_length": 512,
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "lora_targets": WAN_LORA_TARGETS,
+        "gradient_checkpointing": True,
+    },
+    "sampling": {"resolution": 256, "num_frames": 33, "num_steps": 20, "guidance_scale": 4.5},
+    "reward": {"weights": {"ocr": 1.0}, "num_actors": 8},
+    "train": {
+        "steps": 1000,
+        "prompts_per_step": 32,
+        "group_size": 4,
+        "micro_batch_size": 8,
+        "minibatches": 2,
+        "learning_rate": 3e-4,
+        "mixed_precision": "bf16",
+        "ema": True,
+        "ema_decay": 0.9,
+        "checkpoint_every": 20,
+        "log_images_every": 20,
+        "save_latents": False,
+        "world_size": 8,
+        "placement": "colocate",
+        "rollout_engines": 8,
+        "cpus_per_bundle": 4,
+        "memory_handoff": True,
+        "offload_optimizer": True,
+    },
+    "eval": {"num_steps": 50, "guidance_scale": 4.5, "num_prompts": 1024},
+    "data": {"source": "builtin:ocr", "num_prompts": 20000, "test_fraction": 0.05},
+    "tracking": {"registered_model": "wan21-t2v-1.3b-ocr"},
+}
+
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu": (TINY_CPU,),
@@ -303,6 +369,10 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-flux-nft": (TINY_CPU, TINY_CPU_NFT, TINY_CPU_FLUX),
     "flux1-dev-pickscore": (FLUX1_DEV_PICKSCORE,),
     "tiny-cpu-qwen-image": (TINY_CPU, TINY_CPU_QWEN_IMAGE),
+    "tiny-cpu-wan": (TINY_CPU, TINY_CPU_WAN),
+    # tiny-cpu-nft's objective on builtin:tiny-wan (CFG-free ODE rollouts of the old policy)
+    "tiny-cpu-wan-nft": (TINY_CPU, TINY_CPU_NFT, TINY_CPU_WAN, TINY_CPU_WAN_NFT),
+    "wan21-t2v-1.3b-ocr": (WAN21_T2V_OCR,),
 }
 
 

@@ -134,13 +134,18 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
     import mlflow.diffusers
     import pandas as pd
 
-    from diffusionrl.models.families import pipeline_class_of
+    from diffusionrl.models.families import adapter_class
 
     mlflow.set_tracking_uri(run.uri)
     mlflow.set_registry_uri(run.uri)
     mlflow.set_experiment(experiment_id=run.experiment_id)  # the logged model lives beside its run
+    family = adapter_class(base_ref, cfg.model.revision)
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = diffusers_adapter_dir(peft_dir, Path(tmp) / "adapter", pipeline_class_of(base_ref))
+        adapter = diffusers_adapter_dir(peft_dir, Path(tmp) / "adapter", family.pipeline_class)
+        if family.video:  # mlflow.diffusers serves images only: our pyfunc returns GIFs (video_serving.py)
+            from diffusionrl.video_serving import log_video_lora_model
+
+            return log_video_lora_model(run, cfg, adapter, base_ref, ADAPTER_FILE, example_prompt, metadata)
         return mlflow.diffusers.log_model(
             adapter_path=str(adapter),
             base_model=base_ref,
@@ -307,7 +312,9 @@ def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, 
                           example_prompt=test_rows[0]["prompt"], metadata=lineage)
 
     def rescore(model_dir: Path) -> float:
-        peft_dir = model_dir / "adapter_weights" / PEFT_SUBDIR
+        # mlflow.diffusers keeps the adapter in adapter_weights/, the video pyfunc in artifacts/adapter/
+        peft_dir = next(p for p in (model_dir / "adapter_weights" / PEFT_SUBDIR,
+                                    model_dir / "artifacts" / "adapter" / PEFT_SUBDIR) if p.is_dir())
         return evaluate_lora(cfg, test_rows, peft_dir, model_path=model_path).summary["eval/reward_mean"]
 
     key = eval_key(cfg, test_digest, model_digest)

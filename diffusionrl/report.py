@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from diffusionrl.video import gif_bytes
+
 
 def _png_b64(image: np.ndarray) -> str:
     from PIL import Image
@@ -25,8 +27,13 @@ def _png_b64(image: np.ndarray) -> str:
 
 
 def _img(image: np.ndarray, alt: str, width: int | None = None) -> str:
+    """An ``<img>`` of an image ``[H, W, 3]`` (PNG) or of frames ``[F, H, W, 3]`` (animated GIF)."""
     style = f' style="width:{width}px;image-rendering:pixelated"' if width else ' style="image-rendering:pixelated"'
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{_png_b64(image)}"{style}>'
+    if image.ndim == 4:
+        src = "data:image/gif;base64," + base64.b64encode(gif_bytes(image)).decode()
+    else:
+        src = f"data:image/png;base64,{_png_b64(image)}"
+    return f'<img alt="{html.escape(alt)}" src="{src}"{style}>'
 
 
 def curves_png(metrics: pd.DataFrame) -> np.ndarray | None:
@@ -143,12 +150,12 @@ def build_report(
         parts += ["<h2>Held-out prompts: base vs tuned, same seeds</h2>", *_side_by_side(eval_table, grid)]
     elif grid is not None:
         parts += ["<h2>Held-out prompts: base (top) vs tuned (bottom), same seeds</h2>",
-                  _img(grid, "eval grid", width=min(1400, grid.shape[1] * 2))]
+                  _img(grid, "eval grid", width=min(1400, grid.shape[-2] * 2))]
     if eval_table is not None and not eval_table.empty:
         parts += ["<h2>Per-prompt evaluation</h2>", eval_table.to_html(index=False, float_format=lambda x: f"{x:.6g}")]
     for name, image in (sample_grids or {}).items():
         parts += [f"<h2>Training samples: {html.escape(name)}</h2>",
-                  _img(image, name, width=min(1400, image.shape[1] * 2))]
+                  _img(image, name, width=min(1400, image.shape[-2] * 2))]
     if artifacts:
         parts.append("<h2>Where everything lives</h2><table>")
         parts += [f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>"

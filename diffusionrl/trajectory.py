@@ -121,7 +121,7 @@ class Trajectory:
     sigmas: torch.Tensor  # [T+1] float32: the exact schedule used, sigmas[0] = 1 ... sigmas[T] = 0
     timesteps: torch.Tensor  # [T] float32: the transformer's timestep input at each step
     sde_mask: torch.Tensor  # [B, T] bool: stochastic (trained) steps
-    latents: torch.Tensor  # [B, T+1, C, H, W] float32: x_0 (noise) ... x_T (clean)
+    latents: torch.Tensor  # [B, T+1, C, H, W] (video: [B, T+1, C, F', H, W]) float32: x_0 (noise) ... x_T (clean)
     log_probs: torch.Tensor  # [B, T] float32: 0 at deterministic steps
     conditioning: Conditioning
     guidance_scale: float
@@ -129,7 +129,7 @@ class Trajectory:
     noise_level: float
     micro_batch_size: int
     policy_version: int = 0
-    images: np.ndarray | None = None  # [B, H, W, 3] uint8
+    images: np.ndarray | None = None  # [B, H, W, 3] uint8 (video: frames [B, F, H, W, 3])
     rewards: torch.Tensor | None = None  # [B] float32
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B]
     advantages: torch.Tensor | None = None  # [B] float32
@@ -141,6 +141,11 @@ class Trajectory:
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    @property
+    def is_video(self) -> bool:
+        """Samples are videos: 6-D latents ``[B, T+1, C, F', H, W]``."""
+        return self.latents.ndim == 6
 
     @property
     def num_steps(self) -> int:
@@ -158,7 +163,10 @@ class Trajectory:
         t = self.timesteps.shape[0]
         _check(self.sigmas, "sigmas", shape=(t + 1,), dtype=torch.float32)
         _check(self.sde_mask, "sde_mask", shape=(b, t), dtype=torch.bool)
-        _check(self.latents, "latents", ndim=5, first=b, dtype=torch.float32)
+        _check(self.latents, "latents", first=b, dtype=torch.float32)
+        if self.latents.ndim not in (5, 6):
+            raise TrajectoryError(f"latents must be [B, T+1, C, H, W] or, for video, [B, T+1, C, F, H, W]; got shape "
+                                  f"{tuple(self.latents.shape)}")
         if self.latents.shape[1] != t + 1:
             raise TrajectoryError(f"latents has {self.latents.shape[1]} states per sample, expected T+1 = {t + 1}")
         _check(self.log_probs, "log_probs", shape=(b, t), dtype=torch.float32)
@@ -168,10 +176,11 @@ class Trajectory:
         if self.micro_batch_size <= 0 or b % self.micro_batch_size:
             raise TrajectoryError(f"micro_batch_size {self.micro_batch_size} does not divide the batch of {b}")
         if self.images is not None:
-            if not (isinstance(self.images, np.ndarray) and self.images.dtype == np.uint8 and self.images.ndim == 4):
-                raise TrajectoryError("images must be a uint8 numpy array [B, H, W, 3]")
+            ok = isinstance(self.images, np.ndarray) and self.images.dtype == np.uint8 and self.images.ndim in (4, 5)
+            if not ok:
+                raise TrajectoryError("images must be a uint8 numpy array [B, H, W, 3] (video: [B, F, H, W, 3])")
             if self.images.shape[0] != b or self.images.shape[-1] != 3:
-                raise TrajectoryError(f"images has shape {self.images.shape}, expected [{b}, H, W, 3]")
+                raise TrajectoryError(f"images has shape {self.images.shape}, expected [{b}, (F,) H, W, 3]")
         for name in ("rewards", "advantages"):
             value = getattr(self, name)
             if value is not None:

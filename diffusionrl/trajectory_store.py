@@ -24,7 +24,10 @@ import torch
 
 from diffusionrl.trajectory import Conditioning, Trajectory
 
-SCHEMA_VERSION = 1
+# 1: images only. 2: adds video samples (column ``frames_png``; latents [T+1, C, F', H, W]). The
+# reader takes both: a version-1 file is a version-2 file without video columns.
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class CorruptParquetFile(ValueError):
@@ -87,9 +90,10 @@ BASE_COLUMNS = [
 ]
 OPTIONAL_COLUMNS = [
     "reward_<name>",  # float32 per reward component
-    "image_png",  # binary: PNG bytes of the decoded image
-    "latents",  # list<float32>: [T+1, C, H, W] flattened (latent_shape gives the shape)
-    "latent_shape",  # list<int32>: [T+1, C, H, W]
+    "image_png",  # binary: PNG bytes of the decoded image (image models)
+    "frames_png",  # list<binary>: PNG bytes of each decoded frame (video models; schema version 2)
+    "latents",  # list<float32>: [T+1, C, H, W] (video: [T+1, C, F', H, W]) flattened (latent_shape gives the shape)
+    "latent_shape",  # list<int32>: [T+1, C, H, W] (video: [T+1, C, F', H, W])
     "prompt_embeds",  # list<float32> + embeds_shape [S, D] (and the pooled/negative ones, and the
     #                   token masks of families that pad text: prompt_embeds_mask [S] as 0/1)
 ]
@@ -139,7 +143,9 @@ def trajectory_table(
     }
     for name, values in sorted(traj.reward_components.items()):
         cols[f"reward_{name}"] = pa.array(values.numpy(), pa.float32())
-    if images and traj.images is not None:
+    if images and traj.images is not None and traj.images.ndim == 5:  # videos: lossless PNG frames
+        cols["frames_png"] = pa.array([[_png(f) for f in video] for video in traj.images], pa.list_(pa.binary()))
+    elif images and traj.images is not None:
         cols["image_png"] = pa.array([_png(im) for im in traj.images], pa.binary())
     if latents:
         cols["latents"] = pa.array(_flat(traj.latents), pa.list_(pa.float32()))
@@ -181,8 +187,8 @@ def read_trajectory(path: str | Path) -> Trajectory:
     """One step file back into a ``Trajectory`` (needs the optional latent/embedding columns)."""
     table = read_parquet(path)
     version = int((table.schema.metadata or {}).get(b"diffusionrl.schema_version", b"0"))
-    if version != SCHEMA_VERSION:
-        raise ValueError(f"{path}: trajectory schema version {version}, this reader knows {SCHEMA_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"{path}: trajectory schema version {version}, this reader knows {READABLE_VERSIONS}")
     if "latents" not in table.column_names:
         raise ValueError(
             f"{path} was written without latents; re-score it from its images (column image_png) or "
@@ -203,6 +209,11 @@ def read_trajectory(path: str | Path) -> Trajectory:
         from PIL import Image
 
         images = np.stack([np.asarray(Image.open(io.BytesIO(png)).convert("RGB")) for png in d["image_png"]])
+    if "frames_png" in d:
+        from PIL import Image
+
+        images = np.stack([np.stack([np.asarray(Image.open(io.BytesIO(png)).convert("RGB")) for png in video])
+                           for video in d["frames_png"]])
     components = {c[len("reward_"):]: torch.tensor(d[c], dtype=torch.float32) for c in d if c.startswith("reward_")}
     return Trajectory(
         prompts=list(d["prompt"]),

@@ -307,14 +307,13 @@ def evaluate(config: Config, test_prompts: pd.DataFrame, model_dir: FlyteDirecto
              run: TrackingRun) -> EvalOutputs:
     """ODE sampling on held-out prompts with the base model and with the LoRA, same seeds."""
     load_secrets(HF_MLFLOW)
-    from PIL import Image
-
     from diffusionrl import tracking
     from diffusionrl.evaluation import evaluate_lora
+    from diffusionrl.video import save_picture
 
     result = evaluate_lora(config, rows_from_frame(test_prompts), lora.download(), model_path=model_dir.download())
-    grid_path = Path(current_context().working_directory) / "eval_grid.png"
-    Image.fromarray(result.grid).save(grid_path)
+    # an image grid as PNG, a video grid (Wan) as an animated GIF
+    grid_path = save_picture(result.grid, Path(current_context().working_directory) / "eval_grid.png")
     log.info("evaluation: %s", result.summary)
     tracking.log_evaluation(run, result.summary, result.table, result.grid)
     return EvalOutputs(result.table, result.summary, FlyteFile(str(grid_path)))
@@ -349,11 +348,9 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
            prompts_digest: str, model_digest: str, run: TrackingRun, registered: RegisteredVersion) -> FlyteFile:
     """HTML report (also shown as the task's Flyte Deck and logged to the MLflow run, which it closes)."""
     load_secrets(MLFLOW)
-    import numpy as np
-    from PIL import Image
-
     from diffusionrl import tracking
     from diffusionrl.report import build_report
+    from diffusionrl.video import read_frames
 
     artifacts = report_artifacts(run, registered, run_dir, config.tracking.max_artifact_mb,
                                  lora, "LoRA (peft adapter)", trajectories, "trajectories",
@@ -361,6 +358,6 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
     artifacts["prompt data digest"] = prompts_digest
     artifacts["base model"] = f"{config.model.name} (digest {model_digest[:16]})"
     page = build_report(config=config.to_dict(), metrics=metrics, eval_table=eval_table, eval_summary=eval_summary,
-                        grid=np.asarray(Image.open(grid.download()).convert("RGB")), artifacts=artifacts)
+                        grid=read_frames(grid.download()), artifacts=artifacts)
     tracking.log_final_metrics(run, metrics)
     return publish_report(run, page, run_dir)

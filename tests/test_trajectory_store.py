@@ -101,3 +101,42 @@ def test_files_written_without_checksums_still_read(tmp_path):
     path = tmp_path / "step-000001.parquet"
     pq.write_table(trajectory_table(traj, run_id="old", step=1, images=False, latents=True), path)  # no checksums
     assert torch.equal(read_trajectory(path).latents, traj.latents)
+
+
+def video_trajectory(b: int = 2, t: int = 3) -> Trajectory:
+    """``scored_trajectory`` as videos: latents ``[B, T+1, C, F', H, W]``, frames ``[B, F, H, W, 3]``,
+    and no pooled embedding (``[B, 0]``, as Wan's conditioning)."""
+    from dataclasses import replace
+
+    base = scored_trajectory(b, t)
+    g = torch.Generator().manual_seed(1)
+    frames = torch.randint(0, 256, (b, 5, 8, 8, 3), generator=g).to(torch.uint8).numpy()
+    return replace(base, latents=torch.randn(b, t + 1, 4, 2, 2, 2, generator=g), images=frames,
+                   conditioning=Conditioning(torch.randn(b, 5, 8, generator=g), torch.zeros(b, 0)))
+
+
+def test_video_samples_round_trip_in_schema_version_2(tmp_path):
+    traj = video_trajectory()
+    assert traj.is_video
+    path = write_step(tmp_path, traj, run_id="r", step=1, latents=True)
+    assert int(pq.read_schema(path).metadata[b"diffusionrl.schema_version"]) == 2
+    df = pd.read_parquet(path)
+    assert "frames_png" in df.columns and "image_png" not in df.columns and len(df["frames_png"][0]) == 5
+    back = read_trajectory(path)
+    assert torch.equal(back.latents, traj.latents) and back.latents.shape[2:] == (4, 2, 2, 2)
+    assert np.array_equal(back.images, traj.images)  # PNG frames: lossless
+    assert back.conditioning.pooled_embeds.shape == (2, 0)
+
+
+def test_version_1_files_still_read_and_unknown_versions_fail(tmp_path):
+    traj = scored_trajectory()
+    table = trajectory_table(traj, run_id="r", step=1, latents=True)
+    for version, ok in ((1, True), (3, False)):
+        meta = {**table.schema.metadata, b"diffusionrl.schema_version": str(version).encode()}
+        path = tmp_path / f"step-00000{version}.parquet"
+        pq.write_table(table.replace_schema_metadata(meta), path)
+        if ok:
+            assert torch.equal(read_trajectory(path).latents, traj.latents)
+        else:
+            with pytest.raises(ValueError, match="schema version 3"):
+                read_trajectory(path)

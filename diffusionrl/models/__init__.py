@@ -11,6 +11,8 @@ from .sd3 import SD3Adapter
 from .tiny import TINY_REF, build_tiny_sd3_pipeline, save_tiny_sd3
 from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline, save_tiny_flux
 from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline, save_tiny_qwen_image
+from .tiny_wan import TINY_WAN_REF, build_tiny_wan_pipeline, save_tiny_wan
+from .wan import WanAdapter
 
 __all__ = [
     "ADAPTERS",
@@ -21,10 +23,13 @@ __all__ = [
     "TINY_FLUX_REF",
     "TINY_QWEN_IMAGE_REF",
     "TINY_REF",
+    "TINY_WAN_REF",
+    "WanAdapter",
     "adapter_class",
     "build_tiny_flux_pipeline",
     "build_tiny_qwen_image_pipeline",
     "build_tiny_sd3_pipeline",
+    "build_tiny_wan_pipeline",
     "hf_token",
     "load_adapter",
     "load_pipeline",
@@ -35,4 +40,5 @@ __all__ = [
     "save_tiny_flux",
     "save_tiny_qwen_image",
     "save_tiny_sd3",
+    "save_tiny_wan",
 ]

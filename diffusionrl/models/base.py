@@ -8,7 +8,9 @@ latents to uint8 images (and encode images for SFT), give the sigma schedule of 
 latent shape of a resolution, whether a guidance scale needs negative-prompt embeddings
 (``needs_negative``), and a digest of the base weights. Latents are always the VAE's spatial
 latents ``[B, C, H/f, W/f]`` in float32 (a family that packs them, as FLUX does, packs inside
-``velocity``), so trajectories, the SDE step and the Parquet schema are family-independent.
+``velocity``), or for a video family (``video = True``, e.g. Wan) its ``[B, C, F', H/f, W/f]``
+(``sample_shape``), so trajectories, the SDE step and the Parquet schema are family-independent
+(they reduce over all non-batch dims).
 
 A family subclasses ``FlowAdapter`` in ``models/<family>.py`` (class attributes ``family``,
 ``pipeline_class``, ``builtin``, ``components``; methods ``_encode``, ``velocity``, and where it
@@ -64,6 +66,7 @@ class FlowAdapter:
     builtin = ""  # the builtin:tiny-<family> reference
     components: tuple[str, ...] = ()  # the pipeline's modules (frozen, eval mode, digested)
     pipeline_logger = ""  # the diffusers pipeline module whose truncation warnings are replaced
+    video = False  # True: samples are videos (latents [C, F', H, W], decoded frames [F, H, W, 3])
 
     def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
         self.pipe = pipe.to(device)
@@ -128,6 +131,13 @@ class FlowAdapter:
         """``(C, H, W)`` of one sample's spatial latent at ``resolution`` pixels."""
         f = self.vae_scale_factor
         return (self.transformer.config.in_channels, resolution // f, resolution // f)
+
+    def sample_shape(self, resolution: int, num_frames: int = 1) -> tuple[int, ...]:
+        """The latent shape of one sample: ``latent_shape`` for an image family (``num_frames`` must
+        be 1); a video family (``video = True``) overrides it with ``(C, F', H, W)``."""
+        if num_frames != 1:
+            raise ValueError(f"{self.family} makes images: sampling.num_frames must be 1, got {num_frames}")
+        return self.latent_shape(resolution)
 
     def _timestep_kwargs(self, num_steps: int, resolution: int | None) -> dict:
         """What the stock pipeline passes to ``scheduler.set_timesteps`` (besides the device)."""

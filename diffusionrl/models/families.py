@@ -17,8 +17,9 @@ from .base import DTYPES, FlowAdapter, hf_token, resolve_device
 from .flux import FluxAdapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
+from .wan import WanAdapter
 
-ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter)
+ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter)
 
 
 class UnknownModelFamily(ValueError):

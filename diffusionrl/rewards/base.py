@@ -1,6 +1,8 @@
 """The reward contract: every reward has one signature, ``(images, prompts, metadata) -> RewardResult``.
 
-``images`` is a uint8 array ``[B, H, W, 3]``, ``prompts`` a list of B strings, ``metadata`` a list
+``images`` is a uint8 array ``[B, H, W, 3]`` (a reward with ``video = True`` gets videos
+``[B, F, H, W, 3]``; image rewards see a video's frames one by one, ``rewards/video.py``),
+``prompts`` a list of B strings, ``metadata`` a list
 of B dicts (dataset fields such as an OCR target). A reward never raises for one bad sample: it
 scores it 0 and counts it in ``failures``. A prompt the reward can never score (a data error) is
 reported by its ``validate_prompts``, before any image is made.

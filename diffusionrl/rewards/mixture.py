@@ -6,10 +6,12 @@ import numpy as np
 
 from .base import Reward, RewardResult
 from .registry import build_reward
+from .video import score_samples
 
 
 class MixtureReward:
-    """Weighted sum of registered rewards; every component is reported as well."""
+    """Weighted sum of registered rewards; every component is reported as well. On videos
+    ``[B, F, H, W, 3]`` an image reward scores each frame and averages (``rewards/video.py``)."""
 
     def __init__(self, weights: dict[str, float], reward_cfg, rewards: dict[str, Reward] | None = None):
         self.weights = dict(weights)
@@ -20,7 +22,7 @@ class MixtureReward:
         total = np.zeros(len(prompts), dtype=np.float32)
         parts: dict[str, RewardResult] = {}
         for name, weight in self.weights.items():
-            result = self.rewards[name](images, prompts, metadata)
+            result = score_samples(self.rewards[name], images, prompts, metadata)
             parts[name] = result
             total += np.float32(weight) * result.scores
         return total, parts

@@ -24,6 +24,7 @@ class SamplingSpec:
     max_sequence_length: int = 32
     ode_solver: str = "euler"  # euler | heun (deterministic sampling only)
     keep_images: bool = True
+    num_frames: int = 1  # video families: pixel frames per sample (Wan: 1 + 4k)
 
     @classmethod
     def from_config(cls, cfg, **override) -> SamplingSpec:
@@ -36,6 +37,7 @@ class SamplingSpec:
             negative_prompt=cfg.sampling.negative_prompt,
             max_sequence_length=cfg.model.max_sequence_length,
             ode_solver=cfg.sampling.ode_solver,
+            num_frames=cfg.sampling.num_frames,
         )
         for key, value in override.items():
             setattr(spec, key, value)

@@ -106,17 +106,18 @@ class LocalRolloutEngine:
         timesteps: torch.Tensor,
         spec: SamplingSpec,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one micro-batch; returns latents ``[m, T+1, C, H, W]`` and log-probs ``[m, T]``."""
+        """Sample one micro-batch; returns latents ``[m, T+1, *sample_shape]`` (``[C, H, W]``, or
+        ``[C, F', H, W]`` for video) and log-probs ``[m, T]``."""
         device = self.adapter.device
-        shape = self.adapter.latent_shape(spec.resolution)
+        shape = self.adapter.sample_shape(spec.resolution, spec.num_frames)
         # One generator per sample, all its noise drawn at once: the initial latent and one draw
         # per step (also at ODE steps, so a sample's noise ignores the step set). A sample's
         # noise depends on its seed only, not on the batch it is sampled in.
         noise = torch.stack([
             torch.randn((spec.num_steps + 1, *shape), generator=torch.Generator("cpu").manual_seed(int(s)))
             for s in seeds
-        ]).to(device)  # [m, T+1, C, H, W]
-        x = noise[:, 0]  # [m, C, H, W] float32
+        ]).to(device)  # [m, T+1, *sample_shape]
+        x = noise[:, 0]  # [m, *sample_shape] float32
         states, lps = [x.cpu()], []
         mask_dev = mask.to(device)
         for i in range(spec.num_steps):
@@ -135,7 +136,7 @@ class LocalRolloutEngine:
                 else:  # per-sample step sets: ODE where this step is not stochastic
                     ode = x + v * (sigmas[i + 1] - sigmas[i])
                     m = mask_dev[:, i]
-                    x_next = torch.where(m[:, None, None, None], out.x_next, ode)
+                    x_next = torch.where(m.view(-1, *[1] * (x.ndim - 1)), out.x_next, ode)
                     lp = torch.where(m, out.log_prob, torch.zeros_like(out.log_prob))
             x = x_next
             states.append(x.cpu())

@@ -109,5 +109,6 @@ def log_folder_or_link(run: TrackingRun, run_id: str, uri: str, fetch: Callable[
 
 
 def image_row(images: np.ndarray, max_images: int = 8) -> np.ndarray:
-    """uint8 ``[N, H, W, 3]`` -> the first ``max_images`` side by side."""
-    return np.concatenate(list(images[:max_images]), axis=1)
+    """uint8 ``[N, (F,) H, W, 3]`` -> the first ``max_images`` side by side (videos: one row per frame)."""
+    return np.concatenate(list(images[:max_images]), axis=-2)
+

@@ -13,7 +13,7 @@ from diffusionrl.callbacks import Callback
 
 from .artifacts import image_row
 from .heartbeat import Heartbeat
-from .runs import PARENT_TAG
+from .runs import PARENT_TAG, log_picture
 from .store import client, with_retries
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,14 @@ class MetricLogger(Callback):
         images = getattr(traj, "images", None)  # image trajectories have them, text traces do not
         if self.images_every and step % self.images_every == 0 and images is not None:
             row = image_row(images)
+            if row.ndim == 4:  # videos: an animated GIF per step (MLflow's step images are single images)
+                def send():
+                    log_picture(self.uri, self.run_id, row, f"rollout/samples/step-{step:06d}.gif")
+            else:
+                def send():
+                    client(self.uri).log_image(self.run_id, row, key="rollout/samples", step=step)
             try:
-                with_retries(lambda: client(self.uri).log_image(self.run_id, row, key="rollout/samples", step=step),
-                             self.attempts, f"log_image step {step}", self.base_delay_s)
+                with_retries(send, self.attempts, f"log_image step {step}", self.base_delay_s)
             except Exception as exc:  # an image is not worth a training run
                 log.warning("sample images of step %d not logged: %s (they are in the run folder)", step, exc)
 

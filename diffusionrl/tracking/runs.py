@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -211,7 +212,7 @@ def log_evaluation(run: TrackingRun, summary: dict[str, float], table, grid=None
         c.log_metric(run.run_id, key, value)
     c.log_table(stage, table, "eval/table.json")
     if grid is not None:
-        c.log_image(stage, grid, artifact_file="eval/grid_base_top_tuned_bottom.png")
+        log_picture(run.uri, stage, grid, "eval/grid_base_top_tuned_bottom.png")  # video: a GIF
     finish(run, stage)
 
 
@@ -234,3 +235,20 @@ def log_final_metrics(
     for key in keys:
         if key in last and pd.notna(last[key]):
             c.log_metric(run.run_id, f"final/{key}", float(last[key]))
+
+
+def log_picture(uri: str, run_id: str, picture, artifact_file: str) -> None:
+    """An image as ``artifact_file`` (PNG, ``log_image``), or frames ``[F, H, W, 3]`` as an animated
+    GIF next to it (``artifact_file`` with suffix ``.gif``, ``log_artifact``) -- MLflow's image
+    logging takes single images only."""
+    from pathlib import PurePosixPath
+
+    from diffusionrl.video import is_animated, save_picture
+
+    if not is_animated(picture):
+        client(uri).log_image(run_id, picture, artifact_file=artifact_file)
+        return
+    path = PurePosixPath(artifact_file)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = save_picture(picture, f"{tmp}/{path.name}")
+        client(uri).log_artifact(run_id, str(local), str(path.parent) if str(path.parent) != "." else None)

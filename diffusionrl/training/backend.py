@@ -24,6 +24,7 @@ from diffusionrl.rewards import reward_metrics
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.sampling import sde_step_mask
 from diffusionrl.trajectory import Trajectory
+from diffusionrl.video import grid, save_picture
 
 from .objective import objective_class
 
@@ -194,16 +195,6 @@ class ImageBackend:
 
 
 def save_grid(images: np.ndarray, path: Path, cols: int) -> Path:
-    """uint8 ``[N, H, W, 3]`` -> one PNG grid with ``cols`` columns."""
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n, h, w, _ = images.shape
-    cols = max(1, min(cols, n))
-    rows = (n + cols - 1) // cols
-    grid = np.zeros((rows * h, cols * w, 3), dtype=np.uint8)
-    for i, img in enumerate(images):
-        r, c = divmod(i, cols)
-        grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = img
-    Image.fromarray(grid).save(path)
-    return path
+    """uint8 ``[N, H, W, 3]`` -> one PNG grid with ``cols`` columns; videos ``[N, F, H, W, 3]`` -> one
+    animated GIF of the grid (``path`` with suffix ``.gif``). Returns the path written."""
+    return save_picture(grid(images, max(1, min(cols, len(images)))), path)

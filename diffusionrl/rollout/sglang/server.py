@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 # text encoders: one precision each).
 SERVED_FAMILIES = {"sd3": ("stable-diffusion-3-medium-diffusers", 3), "flux": ("FLUX.1-dev", 2)}
 SD3_MODEL_ID = SERVED_FAMILIES["sd3"][0]
+# Families SGLang 0.5.23 has a native pipeline for but that the engine cannot serve, and why (docs/sglang.md).
+UNSERVED_FAMILIES = {
+    "wan": "on CPU SGLang's Wan DiT calls torch.ops.sgl_kernel.fused_norm_scale_shift_cpu, which the installed "
+           "sgl_kernel lacks: /rollout/generate answers HTTP 500 on the first forward",
+}
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 SGLANG_PYTHON_ENV = "DIFFUSIONRL_SGLANG_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parents[3]  # diffusionrl/rollout/sglang/server.py -> the repo
@@ -113,8 +118,9 @@ class SGLangServer:
         of a guidance-distilled family (FLUX), which SGLang 0.5.23 takes per server
         (``--embedded-cfg-scale``), not per request."""
         if family not in SERVED_FAMILIES:
-            raise SGLangServerError(f"the sglang engine serves the families {sorted(SERVED_FAMILIES)}, not {family!r}; "
-                                    "use sampling.engine=local")
+            why = f" ({UNSERVED_FAMILIES[family]})" if family in UNSERVED_FAMILIES else ""
+            raise SGLangServerError(f"the sglang engine serves the families {sorted(SERVED_FAMILIES)}, "
+                                    f"not {family!r}{why}; use sampling.engine=local")
         self.python = python
         self.model_path = model_path
         self.precision = precision

@@ -1,0 +1,95 @@
+"""``builtin:tiny-wan``: a small Wan2.1 text-to-video pipeline built in code, no download.
+
+Real diffusers/transformers classes, Wan2.1-T2V's layout at a tiny width: WanTransformer3DModel
+(patch ``(1, 2, 2)``, self-attention with RMS q/k norm across heads and 3-axis RoPE over frames,
+rows and columns, cross-attention to the text, time-conditioned modulation), AutoencoderKLWan
+(causal 3-D VAE: 4x temporal, 8x spatial compression, 16 latent channels, per-channel
+``latents_mean``/``latents_std`` -- Wan2.1's own), UMT5EncoderModel, and
+FlowMatchEulerDiscreteScheduler with Wan2.1's ``shift=3.0`` (the hub model ships a
+``UniPCMultistepScheduler`` with ``flow_shift=3.0`` and flow sigmas; our engine only reads the
+scheduler's sigmas and takes its own Euler/SDE steps, docs/architecture.md "Model families").
+The tokenizer is the tiny T5 (sentencepiece-style) tokenizer of ``models/tiny.py``; each module is
+constructed right after ``torch.manual_seed(TINY_SEED + k)``, so every machine with the same torch
+version builds the same weights. 32 px x 5 frames -> latents ``[16, 2, 4, 4]``.
+
+``save_tiny_wan(dir)`` writes a folder that ``WanPipeline.from_pretrained(dir)`` loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .tiny import TINY_SEED, build_tokenizers
+
+TINY_WAN_REF = "builtin:tiny-wan"
+
+
+def build_tiny_wan_components() -> dict:
+    """All components of a tiny Wan2.1 T2V pipeline, in eval mode, fp32, CPU."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    _, t5_tok = build_tokenizers()
+
+    torch.manual_seed(TINY_SEED + 21)
+    umt5 = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(t5_tok), d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0,
+    ))
+
+    torch.manual_seed(TINY_SEED + 22)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=24,  # RoPE axes: 8 (frames) + 8 (rows) + 8 (columns)
+        in_channels=16,
+        out_channels=16,
+        text_dim=64,  # UMT5 d_model
+        freq_dim=32,
+        ffn_dim=96,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=64,
+    )
+
+    torch.manual_seed(TINY_SEED + 23)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+    )
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+
+    components = {
+        "transformer": transformer,
+        "vae": vae,
+        "text_encoder": umt5,
+        "tokenizer": t5_tok,
+        "scheduler": scheduler,
+    }
+    for module in components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval().requires_grad_(False)
+    return components
+
+
+def build_tiny_wan_pipeline():
+    from diffusers import WanPipeline
+
+    return WanPipeline(**build_tiny_wan_components())
+
+
+def save_tiny_wan(directory: str | Path) -> Path:
+    """Write ``builtin:tiny-wan`` as a diffusers folder (safetensors weights, JSON configs)."""
+    directory = Path(directory)
+    build_tiny_wan_pipeline().save_pretrained(directory, safe_serialization=True)
+    return directory

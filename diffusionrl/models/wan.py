@@ -1,0 +1,145 @@
+"""Model-family adapter for Wan2.1 text-to-video (diffusers ``WanPipeline``).
+
+What differs from SD3 (``models/sd3.py``), and where the adapter absorbs it:
+- Video: latents are 5-D ``[B, C, F', H/8, W/8]`` with ``F' = (F - 1) // 4 + 1`` latent frames for
+  ``F`` pixel frames (AutoencoderKLWan: 4x temporal, 8x spatial). ``sample_shape(resolution,
+  num_frames)`` gives ``(C, F', H/8, W/8)``; the SDE step and the objectives reduce over all
+  non-batch dims, so a video is one sample. ``decode`` gives uint8 frames ``[B, F, H, W, 3]``.
+- Text: UMT5's last hidden state, zero past each prompt's tokens (``WanPipeline.encode_prompt``);
+  no pooled embedding: ``Conditioning.pooled_embeds`` is ``[B, 0]``.
+- CFG: a second forward on the negative-prompt embeddings when ``guidance_scale > 1`` (the
+  pipeline's ``do_classifier_free_guidance``), ``v = v_neg + g (v_pos - v_neg)``; two forwards as
+  the stock pipeline runs them (so the ODE parity test compares like with like).
+- Timestep: the transformer takes ``t`` (``sigma * 1000``) as the scheduler gives it.
+- Latent normalisation: per-channel ``latents_mean`` / ``latents_std`` of the VAE config
+  (``z = x * std + mean`` before decoding, computed as the pipeline does).
+- Schedule: the scheduler's own sigmas (FlowMatchEuler with shift 3 for ``builtin:tiny-wan``; the
+  hub model's UniPC scheduler with ``flow_shift`` and flow sigmas gives its sigmas the same way);
+  the engine steps them with its Euler/SDE steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from diffusionrl.trajectory import Conditioning
+
+from .base import FlowAdapter
+from .tiny_wan import TINY_WAN_REF, build_tiny_wan_pipeline
+
+WAN_HUB_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+
+
+class WanAdapter(FlowAdapter):
+    """Wan2.1 T2V behind the interface the engines and the trainer use."""
+
+    family = "wan"
+    pipeline_class = "WanPipeline"
+    builtin = TINY_WAN_REF
+    components = ("transformer", "vae", "text_encoder")
+    pipeline_logger = "diffusers.pipelines.wan.pipeline_wan"
+    video = True
+
+    @staticmethod
+    def build_tiny():
+        return build_tiny_wan_pipeline()
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return int(self.pipe.vae_scale_factor_spatial)
+
+    @property
+    def temporal_scale_factor(self) -> int:
+        return int(self.pipe.vae_scale_factor_temporal)
+
+    def latent_frames(self, num_frames: int) -> int:
+        """Latent frames of ``num_frames`` pixel frames (the causal VAE keeps the first frame alone)."""
+        r = self.temporal_scale_factor
+        if num_frames < 1 or (num_frames - 1) % r:
+            raise ValueError(f"Wan takes 1 + {r}k frames (1, 5, 9, ..., 81); got num_frames={num_frames}")
+        return (num_frames - 1) // r + 1
+
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        f = self.vae_scale_factor
+        return (self.transformer.config.in_channels, resolution // f, resolution // f)
+
+    def sample_shape(self, resolution: int, num_frames: int = 1) -> tuple[int, ...]:
+        c, h, w = self.latent_shape(resolution)
+        return (c, self.latent_frames(num_frames), h, w)
+
+    def needs_negative(self, guidance_scale: float) -> bool:
+        return guidance_scale > 1.0  # WanPipeline.do_classifier_free_guidance
+
+    def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
+        """UMT5 embeddings padded with zeros to ``max_sequence_length``, no pooled embedding, no token
+        mask: ``WanPipeline`` zeroes the padding and passes no mask to the transformer."""
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=texts, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length,
+            device=self.device,
+        )
+        return embeds, embeds.new_zeros(embeds.shape[0], 0), None
+
+    def _token_limits(self, max_sequence_length: int) -> list[tuple[object, int, str]]:
+        return [(self.pipe.tokenizer, max_sequence_length, f"UMT5 model.max_sequence_length={max_sequence_length}")]
+
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        cond: Conditioning,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """The (CFG) velocity ``[B, C, F', H, W]`` in float32: a positive and, when ``g > 1``, a negative forward."""
+        cfg = self.needs_negative(guidance_scale)
+        if cfg and cond.negative_prompt_embeds is None:
+            raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
+        b = latents.shape[0]
+        dtype = self.forward_dtype(transformer)
+        x = latents.to(self.device, dtype)
+        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
+        t = t.expand(b) if t.numel() == 1 else t
+
+        def forward(embeds: torch.Tensor) -> torch.Tensor:
+            with self.autocast():
+                out = transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, dtype),
+                                  return_dict=False)[0]
+            return out.float()
+
+        v = forward(cond.prompt_embeds)
+        if not cfg:
+            return v
+        v_neg = forward(cond.negative_prompt_embeds)
+        return v_neg + guidance_scale * (v - v_neg)
+
+    # -- videos ---------------------------------------------------------------------------------
+    def _mean_std(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.pipe.vae.config
+        shape = (1, cfg.z_dim, 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean).view(shape).to(like.device, like.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(shape).to(like.device, like.dtype)
+        return mean, inv_std
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Clean latents ``[B, C, F', H, W]`` -> uint8 frames ``[B, F, H*8, W*8, 3]`` (as ``WanPipeline``)."""
+        vae = self.pipe.vae
+        z = latents.to(self.device, vae.dtype)
+        mean, inv_std = self._mean_std(z)
+        video = vae.decode(z / inv_std + mean, return_dict=False)[0].float()  # [B, 3, F, H, W]
+        video = (video / 2 + 0.5).clamp(0, 1)
+        return (video.permute(0, 2, 3, 4, 1) * 255).round().to(torch.uint8).cpu().numpy()
+
+    @torch.no_grad()
+    def encode_images(self, images: np.ndarray) -> torch.Tensor:
+        """uint8 frames ``[B, F, H, W, 3]`` -> clean latents ``[B, C, F', H/8, W/8]`` (the posterior's mode,
+        normalised as ``decode`` undoes)."""
+        vae = self.pipe.vae
+        x = torch.as_tensor(np.asarray(images), device=self.device)
+        if x.ndim != 5:
+            raise ValueError(f"Wan encodes videos [B, F, H, W, 3]; got shape {tuple(x.shape)}")
+        x = x.permute(0, 4, 1, 2, 3).to(vae.dtype) / 127.5 - 1
+        z = vae.encode(x).latent_dist.mode()
+        mean, inv_std = self._mean_std(z)
+        return ((z - mean) * inv_std).float()
