@@ -20,7 +20,6 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
 
-from diffusionrl.callbacks import Callback
 from diffusionrl.config import Config, DataConfig, RewardConfig, apply_overrides
 from diffusionrl.data import PromptSet, load_prompts
 from diffusionrl.tracking import TrackingRun
@@ -198,18 +197,6 @@ class TrainOutputs(NamedTuple):
     run_dir: str
 
 
-class ParquetTrajectories(Callback):
-    """Each step's trajectory as one Parquet file (``docs/trajectories.md``)."""
-
-    def __init__(self, traj_dir: Path, run_id: str, latents: bool):
-        self.traj_dir, self.run_id, self.latents = traj_dir, run_id, latents
-
-    def on_step(self, loop, step, batch, metrics) -> None:
-        from diffusionrl.trajectory_store import write_step
-
-        write_step(self.traj_dir, batch, run_id=self.run_id, step=step, images=True, latents=self.latents)
-
-
 @task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, environment=RAY_ENVIRONMENT, secret_requests=HF_MLFLOW,
       interruptible=True, retries=3, timeout=TIMEOUTS["train"], enable_deck=False)
 @user_errors
@@ -223,10 +210,12 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     load_secrets(HF_MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.train import train as run_training
+    from diffusionrl.trajectory_writer import TrajectoryWriter
 
     allow_change = config_change_allowed(on_config_change)  # a bad value fails before anything starts
     folder, resume = open_run_folder(stage_dir(checkpoint_dir))
-    trajectories = ParquetTrajectories(folder.local / "trajectories", run.execution_id, config.train.save_latents)
+    # each step's Parquet file, written off the training thread; flushed and verified at checkpoints
+    trajectories = TrajectoryWriter(folder.local / "trajectories", run.execution_id, config.train.save_latents)
     prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
     stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
     metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,

@@ -45,3 +45,26 @@ def test_secrets_reach_their_variables_wherever_flyte_put_them(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "already-set")
     load_secrets([SECRETS["hf"]])
     assert os.environ["HF_TOKEN"] == "already-set"  # an injected variable wins
+
+
+def test_the_train_task_starts_ray_on_a_cluster_only(monkeypatch):
+    """Locally the train task starts no Ray of its own (the library starts one when the config
+    needs it); on a cluster it joins the KubeRay job's Ray as flytekit's Ray task does."""
+    import ray
+    from flytekit import FlyteContextManager
+    from flytekit.core.context_manager import ExecutionState
+    from flytekitplugins.ray.task import RayFunctionTask
+
+    from tasks.grpo import train
+    from tasks.resources import OnDemandRayTask
+
+    assert isinstance(train, OnDemandRayTask) and train.task_type == "ray"
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    ctx = FlyteContextManager.current_context()
+    for mode, expected in ((ExecutionState.Mode.LOCAL_WORKFLOW_EXECUTION, 0), (ExecutionState.Mode.TASK_EXECUTION, 1)):
+        state = ctx.execution_state.with_params(mode=mode)
+        with FlyteContextManager.with_context(ctx.with_execution_state(state)):
+            train.pre_execute(None)
+        assert len(calls) == expected, mode
+    assert "address" in calls[0] and RayFunctionTask.pre_execute is not OnDemandRayTask.pre_execute
