@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 # Bump when a task's outputs change for the same inputs (the cache key is name + version + inputs).
 PREPARE_CACHE = Cache(version="prompts-v2")
 FETCH_CACHE = Cache(version="checkpoint-v1")
+# The train stage's metrics reach MLflow at most this late (and at every checkpoint and the end).
+METRICS_FLUSH_S = 10.0
 
 
 # -- config and tracking --------------------------------------------------------------------------------
@@ -219,7 +221,7 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
     stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
     metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
-                                       attempts=config.tracking.log_retries)
+                                       attempts=config.tracking.log_retries, flush_every_s=METRICS_FLUSH_S)
     callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, trajectories), metrics_cb]
     try:
         result = run_training(config, folder.local, resume=resume, prompts=prompts, model_path=model_dir.download(),

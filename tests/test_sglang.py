@@ -36,6 +36,9 @@ requires_sglang = pytest.mark.skipif(
 )
 
 PROMPTS = ["a red cat on the beach", "a blue car in the city"]
+# Tests never fail on timing: the server runs at the lowest CPU priority without a GPU, and on a
+# machine loaded by other work its start was measured past the default 300 s.
+SLOW_START = "sampling.sglang_start_timeout_s=1800"
 
 
 def spec(**kw) -> SamplingSpec:
@@ -60,7 +63,7 @@ def stack():
     from diffusionrl.models import load_adapter
     from diffusionrl.training.policy import LoraPolicy
 
-    cfg = tiny_config(preset="tiny-cpu-sglang")
+    cfg = tiny_config(SLOW_START, preset="tiny-cpu-sglang")
     adapter = load_adapter(cfg.model)
     policy = LoraPolicy(adapter, cfg.model, seed=0)
     engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
@@ -286,7 +289,7 @@ def trained(tmp_path_factory):
 
     if not sglang_available():
         pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
-    cfg = tiny_config(*SGLANG_TRAIN, preset="tiny-cpu-sglang")
+    cfg = tiny_config(*SGLANG_TRAIN, SLOW_START, preset="tiny-cpu-sglang")
     out = tmp_path_factory.mktemp("sglang-train")
     return cfg, train(cfg, out, resume=None, progress=False)
 
