@@ -68,3 +68,24 @@ def test_the_train_task_starts_ray_on_a_cluster_only(monkeypatch):
             train.pre_execute(None)
         assert len(calls) == expected, mode
     assert "address" in calls[0] and RayFunctionTask.pre_execute is not OnDemandRayTask.pre_execute
+
+
+def test_config_literal_types_are_computed_once_and_equal_flytekits():
+    from dataclasses import dataclass
+
+    from flytekit.core.type_engine import DataclassTransformer, TypeEngine
+
+    from diffusionrl.config import Config, DataConfig
+    from tasks import flyte_types
+
+    for cls in (Config, DataConfig):
+        first = TypeEngine.to_literal_type(cls)
+        assert TypeEngine.to_literal_type(cls) is first  # kept
+        assert first == flyte_types._original(DataclassTransformer(), cls)  # what flytekit computes
+        assert first.metadata and first.structure.dataclass_type  # schema and field types are there
+
+    @dataclass
+    class Other:
+        x: int = 1
+
+    assert TypeEngine.to_literal_type(Other) is not TypeEngine.to_literal_type(Other)  # not ours: not kept
