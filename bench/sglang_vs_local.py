@@ -74,6 +74,7 @@ def main() -> None:
         f"sampling.num_steps={args.steps}", f"sampling.resolution={args.resolution}",
         f"train.group_size={args.group_size}", f"train.prompts_per_step={args.images // args.group_size}",
         f"train.micro_batch_size={args.images}", "sampling.sglang_verify_weights=false",
+        "sampling.sglang_start_timeout_s=1800",  # the start is not what is timed; a loaded machine is slow
     ])
     adapter = load_adapter(cfg.model)
     policy = LoraPolicy(adapter, cfg.model, seed=0)
