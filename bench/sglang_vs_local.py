@@ -1,9 +1,9 @@
 """The SGLang engine (a real ``sglang serve`` on this machine) vs the local engine on one batch.
 
 Same tiny model, LoRA policy, prompts, seeds, steps, CFG, size and SDE step set; each engine is
-timed over ``--repeats`` rollouts of the batch (medians). Also times one weight push (merged
-LoRA, by value, with checksum verification off) and measures our trainer's recompute of the
-server's log-probs on its own trajectories with a non-zero LoRA (fp32).
+timed over ``--repeats`` rollouts of the batch (medians), the local engine before the server
+starts. Also times one weight push (merged LoRA, by value, with checksum verification off) and
+measures our trainer's recompute of the server's log-probs on its own trajectories with a non-zero LoRA (fp32).
 
 The SGLang engine sends the samples of a group (one prompt, one SDE step set) in requests of at
 most ``sampling.sglang_outputs_per_request`` outputs; it is timed at each of ``--per-request``
@@ -94,6 +94,8 @@ def main() -> None:
 
     local = LocalRolloutEngine(adapter, policy.engine_copy(), micro_batch_size=args.images)
     local.update_weights(state, 1)
+    with torch.no_grad():  # timed before the server starts: an idle server still polls a core
+        local_s = median_time(lambda: local.generate(prompts, group_ids, seeds, spec, mask), args.repeats)
     sglang = SGLangRolloutEngine.from_config(cfg, adapter, policy)
     per_request = [int(v) for v in args.per_request.split(",")]
     by_n, diffs = {}, []
@@ -102,7 +104,6 @@ def main() -> None:
         sglang.update_weights(state, 1)
         push_s = time.perf_counter() - t
         with torch.no_grad():
-            local_s = median_time(lambda: local.generate(prompts, group_ids, seeds, spec, mask), args.repeats)
             for n in per_request:
                 sglang.outputs_per_request = n
                 sglang_s = median_time(lambda: sglang.generate(prompts, group_ids, seeds, spec, mask), args.repeats)
