@@ -16,7 +16,16 @@ Transformer config = SD3.5-medium's (stabilityai/stable-diffusion-3.5-medium tra
 patch 2, pos_embed_max_size 384, sample_size 128, dual attention in layers 0-12, qk_norm rms_norm.
 
 Run: ``python bench/gpu_scaleout.py > bench/results/gpu_scaleout-$(date +%F).json`` on a GPU
-machine. Without a CUDA device it prints ``{"skipped": ...}`` and exits 0.
+machine (sized to finish in a few minutes on one H200: one model build, 1 + repeats rollouts of 10
+steps, 1 + repeats train steps, 1 + repeats IPC pushes and one by-value push). Without a CUDA device
+it prints ``{"skipped": ...}`` and exits 0.
+
+``--dry-run`` runs every branch that can run without a GPU, on the CPU, at a toy size (a 2-layer
+transformer of the same architecture, 32 px, LoRA r4, fp32 without autocast or grad scaler): the
+model build and LoRA wrap, the rollout loop, the train step, the LoRA merge and per-dtype buckets,
+and the push to a consumer process both ways (shared-memory handles from ``reduce_tensor`` stand
+in for CUDA IPC handles, which need a GPU). Its numbers mean nothing; ``tests/test_bench_gpu.py``
+runs it so the GPU run does not fail on a typo.
 """
 
 from __future__ import annotations
@@ -37,13 +46,46 @@ TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_p
            "attn.add_v_proj", "attn.to_add_out"]
 
 
+# --dry-run: the same architecture at a toy size (every option SD35M sets, smaller numbers).
+TOY = dict(
+    sample_size=4, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+    joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=24, out_channels=16,
+    pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+)
+
+
+class Setup:
+    """Device, dtypes and sizes: the GPU run's, or the dry run's on the CPU."""
+
+    def __init__(self, dry_run: bool):
+        import torch
+
+        self.dry = dry_run
+        self.device = "cpu" if dry_run else "cuda"
+        self.dtype = torch.float32 if dry_run else torch.float16
+        self.config = TOY if dry_run else SD35M
+        self.text_len = 8 if dry_run else 333
+
+    def autocast(self, torch):
+        import contextlib
+
+        return contextlib.nullcontext() if self.dry else torch.autocast("cuda", dtype=torch.float16)
+
+    def sync(self, torch) -> None:
+        if not self.dry:
+            torch.cuda.synchronize()
+
+
+SETUP: Setup | None = None
+
+
 def build(torch, rank: int):
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = SD3Transformer2DModel(**SD35M).to(torch.float16)
+    with torch.device(SETUP.device):
+        model = SD3Transformer2DModel(**SETUP.config).to(SETUP.dtype)
     model.requires_grad_(False)
     names = [n for n, m in model.named_modules()
              if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in TARGETS)]
@@ -56,17 +98,17 @@ def build(torch, rank: int):
 
 
 def inputs(torch, batch: int, px: int):
-    h = px // 8
-    g = torch.Generator("cuda").manual_seed(1)
-    return (torch.randn(batch, 16, h, h, device="cuda", generator=g),
-            torch.randn(batch, 333, 4096, device="cuda", generator=g, dtype=torch.float16),
-            torch.randn(batch, 2048, device="cuda", generator=g, dtype=torch.float16))
+    h, dev, cfg = px // 8, SETUP.device, SETUP.config
+    g = torch.Generator(dev).manual_seed(1)
+    return (torch.randn(batch, 16, h, h, device=dev, generator=g),
+            torch.randn(batch, SETUP.text_len, cfg["joint_attention_dim"], device=dev, generator=g, dtype=SETUP.dtype),
+            torch.randn(batch, cfg["pooled_projection_dim"], device=dev, generator=g, dtype=SETUP.dtype))
 
 
 def velocity(torch, model, x, emb, pooled, t, cfg_scale=4.5):
-    xx = torch.cat([x, x]).half()
-    with torch.autocast("cuda", dtype=torch.float16):
-        out = model(hidden_states=xx, timestep=torch.full((xx.shape[0],), float(t), device="cuda"),
+    xx = torch.cat([x, x]).to(SETUP.dtype)
+    with SETUP.autocast(torch):
+        out = model(hidden_states=xx, timestep=torch.full((xx.shape[0],), float(t), device=SETUP.device),
                     encoder_hidden_states=torch.cat([emb, emb]), pooled_projections=torch.cat([pooled, pooled]),
                     return_dict=False)[0].float()
     neg, pos = out.chunk(2)
@@ -75,18 +117,18 @@ def velocity(torch, model, x, emb, pooled, t, cfg_scale=4.5):
 
 def timed(torch, fn, repeats: int) -> float:
     fn()
-    torch.cuda.synchronize()
+    SETUP.sync(torch)
     t0 = time.perf_counter()
     for _ in range(repeats):
         fn()
-    torch.cuda.synchronize()
+    SETUP.sync(torch)
     return (time.perf_counter() - t0) / repeats
 
 
 def bench_train(torch, model, batch, px, repeats):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=3e-4)
-    scaler = torch.amp.GradScaler("cuda")
+    scaler = torch.amp.GradScaler(SETUP.device, enabled=not SETUP.dry)
     x, emb, pooled = inputs(torch, batch, px)
 
     def step():
@@ -98,6 +140,8 @@ def bench_train(torch, model, batch, px, repeats):
         scaler.update()
         opt.zero_grad(set_to_none=True)
 
+    if SETUP.dry:
+        return timed(torch, step, repeats), None, sum(p.numel() for p in params)
     torch.cuda.reset_peak_memory_stats()
     s = timed(torch, step, repeats)
     return s, torch.cuda.max_memory_allocated() / 2**30, sum(p.numel() for p in params)
@@ -124,13 +168,14 @@ def merged_layers(torch, model):
 
     layers = lora_layers(model)
     state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    return lambda: merge_lora(layers, state, torch.float16)
+    return lambda: merge_lora(layers, state, SETUP.dtype)
 
 
-def _consumer(q_in, q_out):
+def _consumer(q_in, q_out, device):
     import torch
 
-    torch.cuda.set_device(0)
+    if device == "cuda":
+        torch.cuda.set_device(0)
     while True:
         msg = q_in.get()
         if msg is None:
@@ -141,8 +186,9 @@ def _consumer(q_in, q_out):
             dst = torch.empty_like(flat)
             dst.copy_(flat)
         else:
-            dst = pickle.loads(payload).cuda()
-        torch.cuda.synchronize()
+            dst = pickle.loads(payload).to(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
         q_out.put(int(dst.numel()))
 
 
@@ -154,7 +200,7 @@ def bench_ipc(torch, merge, bucket_mb, repeats):
 
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_consumer, args=(q_in, q_out), daemon=True)
+    proc = ctx.Process(target=_consumer, args=(q_in, q_out, SETUP.device), daemon=True)
     proc.start()
 
     def push(by_value: bool):
@@ -162,7 +208,7 @@ def bench_ipc(torch, merge, bucket_mb, repeats):
         n = 0
         for chunk in buckets(named, bucket_mb * 2**20, by_dtype=True):
             flat = torch.cat([t.reshape(-1) for _, t in chunk])  # one flattened bucket per dtype
-            torch.cuda.synchronize()
+            SETUP.sync(torch)
             if by_value:
                 q_in.put(("value", pickle.dumps(flat.cpu())))
             else:
@@ -182,7 +228,7 @@ def bench_ipc(torch, merge, bucket_mb, repeats):
     by_value = time.perf_counter() - t0
     q_in.put(None)
     proc.join(timeout=30)
-    return ipc, by_value, numel * 2 / 2**20
+    return ipc, by_value, numel * (4 if SETUP.dry else 2) / 2**20
 
 
 def main() -> int:
@@ -193,16 +239,23 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dry-run", action="store_true", help="every branch that runs without a GPU, on the CPU, toy size")
     args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
+    global SETUP
+    SETUP = Setup(args.dry_run)
+    if args.dry_run:
+        args.resolution, args.lora_rank, args.micro_batch, args.steps, args.repeats = 32, 4, 2, 2, 1
+    elif not torch.cuda.is_available():
         emit({"benchmark": "gpu_scaleout", "skipped": "no CUDA device: run this on a GPU machine "
               "(python bench/gpu_scaleout.py > bench/results/gpu_scaleout-<date>.json)"})
         return 0
-    out = {"benchmark": "gpu_scaleout", "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
+    device = "cpu (dry run: the numbers mean nothing)" if args.dry_run else torch.cuda.get_device_name(0)
+    out = {"benchmark": "gpu_scaleout", "date": time.strftime("%Y-%m-%d"), "device": device,
            "torch": torch.__version__, "resolution": args.resolution, "lora_rank": args.lora_rank,
-           "micro_batch": args.micro_batch, "transformer": "SD3.5-medium config, random weights, fp16"}
+           "micro_batch": args.micro_batch,
+           "transformer": "toy config, fp32" if args.dry_run else "SD3.5-medium config, random weights, fp16"}
     model = build(torch, args.lora_rank)
     out["transformer_params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
     out["rollout_images_per_s_local"] = bench_rollout(torch, model, args.micro_batch, args.resolution, args.steps)

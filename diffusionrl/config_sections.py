@@ -76,6 +76,10 @@ class SamplingConfig:
                                        "only)")
     sglang_start_timeout_s: float = option(300.0, "sglang engine: seconds to wait for the server to become healthy")
     sglang_max_restarts: int = option(3, "sglang engine: server restarts (then a batch retry) allowed per run")
+    sglang_outputs_per_request: int = option(
+        16, "sglang engine: most samples of one group (a prompt and its SDE step set) sent in one /rollout/generate "
+        "request, which the server samples as one batched forward (1 = one request per sample)"
+    )
 
     def __post_init__(self) -> None:
         check_choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode", "dance"))
@@ -88,6 +92,7 @@ class SamplingConfig:
         check_positive("sampling", "sglang_start_timeout_s", self.sglang_start_timeout_s)
         check_positive("sampling", "sglang_max_restarts", self.sglang_max_restarts, allow_zero=True)
         check_positive("sampling", "num_frames", self.num_frames)
+        check_positive("sampling", "sglang_outputs_per_request", self.sglang_outputs_per_request)
         if self.resolution <= 0 or self.resolution % 16:
             raise ConfigError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
         if self.eval_resolution < 0 or self.eval_resolution % 16:

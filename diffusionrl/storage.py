@@ -132,14 +132,15 @@ class RunFolder:
 
     def push_changed(self, skip: tuple[str, ...] = ("checkpoints",)) -> int:
         """Upload every local file that is new or changed since the last call (folders in ``skip``
-        excluded); returns how many went up."""
+        and ``*.tmp`` files, which a background writer is still writing, excluded); returns how
+        many went up."""
         if not self.remote:
             return 0
         seen = getattr(self, "_pushed", {})
         sent = 0
         for f in sorted(p for p in self.local.rglob("*") if p.is_file()):
             rel = f.relative_to(self.local)
-            if rel.parts[0] in skip:
+            if rel.parts[0] in skip or f.name.endswith(".tmp"):  # .tmp: being written (renamed when complete)
                 continue
             st = f.stat()
             key = (st.st_size, st.st_mtime_ns)

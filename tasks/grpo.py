@@ -19,7 +19,6 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
 
-from diffusionrl.callbacks import Callback
 from diffusionrl.config import Config, ConfigError, DataConfig, RewardConfig, apply_overrides
 from diffusionrl.data import PromptSet, load_prompts
 from diffusionrl.tracking import TrackingRun
@@ -61,6 +60,8 @@ log = logging.getLogger(__name__)
 # Bump when a task's outputs change for the same inputs (the cache key is name + version + inputs).
 PREPARE_CACHE = Cache(version="prompts-v2")
 FETCH_CACHE = Cache(version="checkpoint-v1")
+# The train stage's metrics reach MLflow at most this late (and at every checkpoint and the end).
+METRICS_FLUSH_S = 10.0
 
 
 # -- config and tracking --------------------------------------------------------------------------------
@@ -245,18 +246,6 @@ class TrainOutputs(NamedTuple):
     run_dir: str
 
 
-class ParquetTrajectories(Callback):
-    """Each step's trajectory as one Parquet file (``docs/trajectories.md``)."""
-
-    def __init__(self, traj_dir: Path, run_id: str, latents: bool):
-        self.traj_dir, self.run_id, self.latents = traj_dir, run_id, latents
-
-    def on_step(self, loop, step, batch, metrics) -> None:
-        from diffusionrl.trajectory_store import write_step
-
-        write_step(self.traj_dir, batch, run_id=self.run_id, step=step, images=True, latents=self.latents)
-
-
 @task(task_config=RAY_CONFIG, container_image=GPU_IMAGE, environment=RAY_ENVIRONMENT, secret_requests=HF_MLFLOW,
       interruptible=True, retries=3, timeout=TIMEOUTS["train"], enable_deck=False)
 @user_errors
@@ -270,14 +259,16 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     load_secrets(HF_MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.train import train as run_training
+    from diffusionrl.trajectory_writer import TrajectoryWriter
 
     allow_change = config_change_allowed(on_config_change)  # a bad value fails before anything starts
     folder, resume = open_run_folder(stage_dir(checkpoint_dir))
-    trajectories = ParquetTrajectories(folder.local / "trajectories", run.execution_id, config.train.save_latents)
+    # each step's Parquet file, written off the training thread; flushed and verified at checkpoints
+    trajectories = TrajectoryWriter(folder.local / "trajectories", run.execution_id, config.train.save_latents)
     prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
     stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
     metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
-                                       attempts=config.tracking.log_retries)
+                                       attempts=config.tracking.log_retries, flush_every_s=METRICS_FLUSH_S)
     # algorithm.name=sft (a preset of its own) makes no rollouts: its trajectory folder stays empty
     writers = [trajectories] if config.algorithm.name != "sft" else []
     (folder.local / "trajectories").mkdir(parents=True, exist_ok=True)

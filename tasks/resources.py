@@ -18,11 +18,15 @@ the same code serves a laptop (where Flyte ignores all of it) and any cluster:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 from flytekit import PodTemplate, Resources, Secret
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.extend import TaskPlugins
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
+from flytekitplugins.ray.task import RayFunctionTask
 
 from images import CPU_IMAGE
 
@@ -135,7 +139,27 @@ def ray_pod_template(container: str, resources: dict[str, str], gpu: bool) -> Po
 # (bounded by DIFFUSIONRL_RAY_AUTOSCALE_WAIT_S, diffusionrl/raycluster.py) instead of failing at once.
 RAY_ENVIRONMENT = {**ENVIRONMENT, "DIFFUSIONRL_RAY_AUTOSCALING": "1"}
 
-RAY_CONFIG = RayJobConfig(
+
+
+@dataclass
+class OnDemandRayJobConfig(RayJobConfig):
+    """``RayJobConfig`` (a KubeRay job on a cluster, serialized the same) whose local execution
+    starts no Ray of its own: flytekit's Ray task calls ``ray.init()`` before the body in every
+    local run (~5 s, plus a dashboard and idle workers competing for the cores while training),
+    whereas the library starts a local Ray itself when the config needs one
+    (``rewards.pool.ensure_ray``: reward actors, ``train.world_size > 1``)."""
+
+
+class OnDemandRayTask(RayFunctionTask):
+    def pre_execute(self, user_params):
+        if FlyteContextManager.current_context().execution_state.is_local_execution():
+            return user_params
+        return super().pre_execute(user_params)
+
+
+TaskPlugins.register_pythontask_plugin(OnDemandRayJobConfig, OnDemandRayTask)
+
+RAY_CONFIG = OnDemandRayJobConfig(
     head_node_config=HeadNodeConfig(
         ray_start_params={"num-cpus": GPU_NODE["cpu"], "num-gpus": GPU_NODE["nvidia.com/gpu"], "log-color": "False"},
         pod_template=ray_pod_template("ray-head", GPU_NODE, gpu=True),

@@ -144,3 +144,26 @@ def test_a_failed_runs_version_is_never_champion(uri, tmp_path, capsys):
     assert not v4.promoted and v4.previous_champion == v1.version
     assert str(c.get_model_version_by_alias(name, "champion").version) == v1.version
     assert registry.show(uri, name)["champion"] == v1.version
+
+
+def test_metric_logger_flushes_when_due_and_at_checkpoints_and_the_end(uri):
+    run = tracking.start_workflow_run(config(uri, "flushing"), {"flyte_execution_id": "flushing"})
+    stage = tracking.stage_run(run, "train")
+    c = tracking.client(uri)
+    logger = tracking.MetricLogger(uri, stage, flush_every_s=3600)
+    traj = SimpleNamespace(images=None)
+
+    def logged():
+        return [m.step for m in c.get_metric_history(stage, "perf/step_time")]
+
+    logger.on_step(None, 1, traj, {"perf/step_time": 1.0})
+    logger.on_step(None, 2, traj, {"perf/step_time": 1.0})
+    assert logged() == [] and len(logger.buffer) == 2  # not due yet
+    logger.on_checkpoint(None, None)
+    assert logged() == [1, 2] and not logger.buffer
+    logger.on_step(None, 3, traj, {"perf/step_time": 1.0})
+    logger.on_end(SimpleNamespace(out_dir="."))
+    assert logged() == [1, 2, 3]
+    logger.flush_every_s = 0.0  # every step is due
+    logger.on_step(None, 4, traj, {"perf/step_time": 1.0})
+    assert logged() == [1, 2, 3, 4]

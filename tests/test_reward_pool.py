@@ -50,6 +50,25 @@ def assert_same(a, b):
         assert parts_a[name].info == pytest.approx(parts_b[name].info)
 
 
+def test_pinned_actors_score_like_in_process_on_their_own_cores(batch):
+    """pin_cores: actor k runs on core group k (wrapping around the cores this process may use).
+    (Before the module's pool exists: this pool starts and stops its own Ray.)"""
+    import subprocess
+    import sys
+
+    pinned = RewardActorPool(CFG, num_actors=2, pin_cores=True)
+    try:
+        assert_same(pinned(*batch), MixtureReward(CFG.weights, CFG)(*batch))
+    finally:
+        pinned.close()
+    code = ("import os; from diffusionrl.rewards.pool import pin_to_cores; "
+            "cores = sorted(os.sched_getaffinity(0)); mine = pin_to_cores({slot}, 1); "
+            "assert mine == set(os.sched_getaffinity(0)) == {{cores[{slot} % len(cores)]}}, (mine, cores)")
+    for slot in (0, 1, 2):  # in a child process: pinning is for the rest of a process's life
+        proc = subprocess.run([sys.executable, "-c", code.format(slot=slot)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_pool_equals_in_process(pool, batch):
     local = MixtureReward(CFG.weights, CFG)
     expected = local(*batch)
@@ -111,3 +130,4 @@ def test_merge_parts_weights_info_by_shard_size():
     merged = merge_parts([a, b], [3, 1])["r"]
     np.testing.assert_array_equal(merged.scores, [1, 1, 1, 0])
     assert merged.failures == 3 and merged.info["exact"] == pytest.approx(0.75)
+

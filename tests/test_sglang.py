@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 
-import msgpack
 import numpy as np
 import pytest
 import torch
@@ -23,7 +22,6 @@ from diffusionrl.config import ConfigError, load_config
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.sglang import (
     SGLangRolloutEngine,
-    decode_tensors,
     lora_layers,
     merge_lora,
     resolve_sglang_python,
@@ -38,6 +36,9 @@ requires_sglang = pytest.mark.skipif(
 )
 
 PROMPTS = ["a red cat on the beach", "a blue car in the city"]
+# Tests never fail on timing: the server runs at the lowest CPU priority without a GPU, and on a
+# machine loaded by other work its start was measured past the default 300 s.
+SLOW_START = "sampling.sglang_start_timeout_s=1800"
 
 
 def spec(**kw) -> SamplingSpec:
@@ -62,7 +63,7 @@ def stack():
     from diffusionrl.models import load_adapter
     from diffusionrl.training.policy import LoraPolicy
 
-    cfg = tiny_config(preset="tiny-cpu-sglang")
+    cfg = tiny_config(SLOW_START, preset="tiny-cpu-sglang")
     adapter = load_adapter(cfg.model)
     policy = LoraPolicy(adapter, cfg.model, seed=0)
     engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
@@ -178,20 +179,55 @@ def test_seeds_reproduce_and_differ(stack):
 
 
 @requires_sglang
-def test_several_outputs_per_request_do_not_collapse(stack):
-    """Upstream report: several outputs of one request may collapse to output 0's trajectory.
-    The engine never relies on it (one output per request); this records what 0.5.23 does."""
+def test_outputs_of_one_request_are_their_own_samples(stack):
+    """The engine sends a group's samples as one request with one seed per output. Upstream
+    report: several outputs of one request may collapse to output 0's trajectory; here each output
+    is its own trajectory. An output depends on its seed and its request's output count only (not
+    on the other seeds): sglang 0.5.23 draws each output's SDE noise as a whole-batch block from the
+    output's generator, so the trajectories of one seed alone and in a request of 3 share the
+    initial noise and the first SDE step only. (Batched forwards may differ by fp32 rounding.)"""
     _, _, _, engine = stack
-    body = engine._request("a red cat", 7, [0, 1], spec())
-    body["num_outputs_per_prompt"] = 3
-    r = engine._post("/rollout/generate", json=body)
-    assert r.status_code == 200, r.text[:500]
-    items = decode_tensors(msgpack.unpackb(r.content, raw=False))
+    seeds = [7, 8, 9]
+    body = engine._request("a red cat", seeds, [0, 1], spec())
+    assert body["num_outputs_per_prompt"] == 3 and body["extra_sampling_params"] == {"seed": seeds}
+    items = engine._generate_one(body)
     latents = [it["dit_trajectory"]["latents"] for it in items]
     assert len(latents) == 3
     for i in range(3):
         for j in range(i + 1, 3):
             assert not torch.equal(latents[i][1:], latents[j][1:]), f"outputs {i} and {j} collapsed"
+    shuffled = engine._generate_one(engine._request("a red cat", [9, 7, 30], [0, 1], spec()))
+    for k, m in ((2, 0), (0, 1)):  # seed 9, seed 7 among other seeds
+        torch.testing.assert_close(latents[k], shuffled[m]["dit_trajectory"]["latents"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(items[k]["rollout_log_probs"], shuffled[m]["rollout_log_probs"], rtol=0, atol=1e-5)
+    (alone,) = engine._generate_one(engine._request("a red cat", [7], [0, 1], spec()))
+    torch.testing.assert_close(latents[0][:2], alone["dit_trajectory"]["latents"][:2], rtol=0, atol=1e-5)
+
+
+@requires_sglang
+def test_a_batch_goes_as_one_request_per_group(stack):
+    """Samples sharing a prompt and an SDE step set go together (at most outputs_per_request to a
+    request), and the answers come back in sample order."""
+    from diffusionrl.rollout.sglang.protocol import plan_requests
+
+    _, _, _, engine = stack
+    prompts, groups, seeds = batch(k=3)
+    mask = np.zeros((6, 4), dtype=bool)
+    mask[:3, [0, 1]] = True
+    mask[3:5, [1, 2]] = True
+    mask[5, 0] = True  # one sample of group 1 with its own step set
+    sent = engine.requests_sent
+    traj = engine.generate(prompts, groups, seeds, spec(), mask)
+    assert engine.requests_sent - sent == 3
+    plan = plan_requests(prompts, torch.tensor(seeds), torch.as_tensor(mask), spec(), 2)
+    assert [idx for idx, _ in plan] == [[0, 1], [2], [3, 4], [5]]
+    plan = plan_requests(prompts, torch.tensor(seeds), torch.as_tensor(mask), spec(), 16)
+    assert [idx for idx, _ in plan] == [[0, 1, 2], [3, 4], [5]]
+    for idx, body in plan:
+        assert body["rollout_sde_step_indices"] == [j for j in range(4) if mask[idx[0], j]]
+        for i, item in zip(idx, engine._generate_one(body)):
+            torch.testing.assert_close(traj.latents[i], item["dit_trajectory"]["latents"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(traj.log_probs[i], item["rollout_log_probs"].reshape(4), rtol=0, atol=1e-5)
 
 
 @requires_sglang
@@ -253,7 +289,7 @@ def trained(tmp_path_factory):
 
     if not sglang_available():
         pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
-    cfg = tiny_config(*SGLANG_TRAIN, preset="tiny-cpu-sglang")
+    cfg = tiny_config(*SGLANG_TRAIN, SLOW_START, preset="tiny-cpu-sglang")
     out = tmp_path_factory.mktemp("sglang-train")
     return cfg, train(cfg, out, resume=None, progress=False)
 
@@ -281,12 +317,12 @@ class KillServerMidRollout(Callback):
         if step != 1:
             return
         engine = self.engine = loop.backend.worker.engine
-        start = engine.requests_sent
+        start = engine.requests_started
         pid = engine.server.pid
 
         def kill():
             deadline = time.monotonic() + 60
-            while engine.requests_sent == start and time.monotonic() < deadline:
+            while engine.requests_started == start and time.monotonic() < deadline:
                 time.sleep(0.005)
             os.kill(pid, signal.SIGKILL)
             self.killed_pid = pid

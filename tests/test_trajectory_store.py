@@ -140,3 +140,47 @@ def test_version_1_files_still_read_and_unknown_versions_fail(tmp_path):
         else:
             with pytest.raises(ValueError, match="schema version 3"):
                 read_trajectory(path)
+
+
+# -- the background writer of the train task ------------------------------------------------------------
+
+
+def test_background_writer_flushes_and_verifies_at_checkpoints(tmp_path):
+    from diffusionrl.trajectory_writer import TrajectoryWriter
+
+    writer = TrajectoryWriter(tmp_path, "run", latents=True, images=False, depth=1)
+    trajs = [scored_trajectory(seed=s) for s in range(3)]
+    for step, traj in enumerate(trajs[:2], start=1):
+        writer.on_step(None, step, traj, {})
+    writer.on_checkpoint(None, tmp_path / "ckpt")  # everything queued so far is on disk, verified
+    assert [p.name for p in sorted(tmp_path.glob("step-*.parquet"))] == ["step-000001.parquet", "step-000002.parquet"]
+    writer.on_step(None, 3, trajs[2], {})
+    writer.on_end(None)
+    for step, traj in enumerate(trajs, start=1):
+        assert torch.equal(read_trajectory(tmp_path / f"step-{step:06d}.parquet").latents, traj.latents)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_background_writer_surfaces_a_failed_write(tmp_path):
+    from diffusionrl.trajectory_writer import TrajectoryWriteError, TrajectoryWriter
+
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the folder should be")
+    writer = TrajectoryWriter(blocked, "run", latents=False, images=False)
+    writer.on_step(None, 1, scored_trajectory(), {})
+    with pytest.raises(TrajectoryWriteError, match="not-a-folder"):
+        writer.on_checkpoint(None, tmp_path / "ckpt")
+
+
+def test_a_step_file_that_does_not_read_back_as_written_fails_verification(tmp_path):
+    from diffusionrl.trajectory_writer import TrajectoryWriteError, verify_step_file
+
+    path = write_step(tmp_path, scored_trajectory(), run_id="run", step=5, images=False)
+    verify_step_file(path, 5, 4)
+    with pytest.raises(TrajectoryWriteError, match="step 6"):
+        verify_step_file(path, 6, 4)
+    with pytest.raises(TrajectoryWriteError, match="rows"):
+        verify_step_file(path, 5, 8)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(TrajectoryWriteError, match="does not read back"):
+        verify_step_file(path, 5, 4)

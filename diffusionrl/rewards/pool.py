@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 class _RewardActor:
     """One Ray actor holding a MixtureReward (made remote in ``RewardActorPool._actor_class``)."""
 
-    def __init__(self, reward_cfg, threads: int):
+    def __init__(self, reward_cfg, threads: int, slot: int | None = None):
         # Before any reward is built: onnxruntime (OCR) and torch read their thread counts once.
+        if slot is not None:
+            pin_to_cores(slot, threads)
         set_reward_threads(threads)
         self.scorer = MixtureReward(reward_cfg.weights, reward_cfg)
 
@@ -42,6 +44,18 @@ class _RewardActor:
 
     def score(self, images, prompts, metadata):
         return self.scorer(images, prompts, metadata)
+
+
+def pin_to_cores(slot: int, threads: int) -> set[int]:
+    """Pin this process to ``threads`` of the cores it may use, the ``slot``-th such group (wrapping
+    around): actor k of a pool on one node runs on its own cores, so its threads neither migrate
+    nor land on a neighbour's core. Returns the cores (unchanged where affinity is unsupported)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return set()
+    cores = sorted(os.sched_getaffinity(0))
+    mine = {cores[(slot * threads + j) % len(cores)] for j in range(threads)}
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 def ensure_ray(num_cpus: int) -> bool:
@@ -160,9 +174,12 @@ class RewardActorPool:
         cpus_per_actor: float = 1.0,
         threads_per_actor: int | None = None,
         max_retries: int = 2,
+        pin_cores: bool = False,
     ):
         """``threads_per_actor``: intra-op threads of each actor's OCR/torch (default ``max(1, cpus_per_actor)``,
-        so actors do not fight over cores); ``max_retries``: restarts of a dead actor per shard per call."""
+        so actors do not fight over cores); ``max_retries``: restarts of a dead actor per shard per call;
+        ``pin_cores``: pin actor k to its own ``threads_per_actor`` cores (``pin_to_cores``; for a
+        node that runs nothing but the pool: on a shared one, pinning cannot move off a busy core)."""
         import ray
 
         self.reward_cfg = reward_cfg
@@ -173,6 +190,7 @@ class RewardActorPool:
         self.cpus_per_actor = cpus_per_actor
         self.threads = int(threads_per_actor or max(1, int(cpus_per_actor)))
         self.max_retries = max_retries
+        self.pin_cores = pin_cores
         self.started_ray = ensure_ray(num_cpus=max(1, int(np.ceil(self.num_actors * cpus_per_actor))))
         options = reward_actor_options(cpus_per_actor)
         # Before any actor exists: Ray would queue the ones that do not fit, forever and silently.
@@ -181,7 +199,7 @@ class RewardActorPool:
             "lower reward.num_actors or add nodes",
             on_nodes_with=REWARD_NODE_RESOURCE if "resources" in options else None)
         self._remote = ray.remote(**options)(_RewardActor)
-        self.actors = [self._new_actor() for _ in range(self.num_actors)]
+        self.actors = [self._new_actor(k) for k in range(self.num_actors)]
         try:
             self._wait_ready(range(self.num_actors), admission)  # an unknown reward name fails here, in the actors
         except BaseException:
@@ -190,8 +208,8 @@ class RewardActorPool:
         # Each reward's own prompt check (None: it has none), run on each whole batch before it is cut.
         self.prompt_checks = {name: check for name in self.weights if (check := prompt_check(name)) is not None}
 
-    def _new_actor(self):
-        return self._remote.remote(self.reward_cfg, self.threads)
+    def _new_actor(self, k: int):
+        return self._remote.remote(self.reward_cfg, self.threads, k if self.pin_cores else None)
 
     def _wait_ready(self, indices, admission: raycluster.Admission | None = None) -> None:
         indices = list(indices)
@@ -215,7 +233,7 @@ class RewardActorPool:
             ray.kill(dead)
         except Exception:  # already gone
             pass
-        self.actors[k] = self._new_actor()
+        self.actors[k] = self._new_actor(k)
         self._wait_ready([k])
 
     def score_async(self, images, prompts, metadata) -> PendingScore:

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 class MetricLogger(Callback):
     """Training-loop callback that streams per-step metrics (and sample images) to a run.
 
-    Metrics are buffered and flushed with ``log_batch`` after every step; a failing store is
+    Metrics are buffered and flushed with ``log_batch`` after a step once ``flush_every_s`` seconds
+    have passed since the last flush (0: after every step), at every checkpoint and at the end; a failing store is
     retried with backoff, and what still fails stays buffered for the next flush, so an MLflow
     outage never stops or loses the training (``metrics.jsonl`` in the run folder has every step
     regardless). Steps already in the run (a resumed attempt) are not logged twice. After a
@@ -31,8 +32,10 @@ class MetricLogger(Callback):
     """
 
     def __init__(self, uri: str, run_id: str, images_every: int = 0, attempts: int = 5, base_delay_s: float = 0.5,
-                 heartbeat_every: float | None = None):
+                 heartbeat_every: float | None = None, flush_every_s: float = 0.0):
         self.uri = uri
+        self.flush_every_s = flush_every_s
+        self.last_flush = time.monotonic()
         self.run_id = run_id
         self.images_every = images_every
         self.attempts = attempts
@@ -63,8 +66,8 @@ class MetricLogger(Callback):
         now = int(time.time() * 1000)
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()
                         if isinstance(v, (int, float)) and math.isfinite(float(v))]
-        if self.flush():  # the store answers: say this execution is alive
-            self.heartbeat()
+        if time.monotonic() - self.last_flush >= self.flush_every_s:
+            self._flush_and_beat()
         images = getattr(traj, "images", None)  # image trajectories have them, text traces do not
         if self.images_every and step % self.images_every == 0 and images is not None:
             row = image_row(images)
@@ -78,6 +81,14 @@ class MetricLogger(Callback):
                 with_retries(send, self.attempts, f"log_image step {step}", self.base_delay_s)
             except Exception as exc:  # an image is not worth a training run
                 log.warning("sample images of step %d not logged: %s (they are in the run folder)", step, exc)
+
+    def _flush_and_beat(self) -> None:
+        self.last_flush = time.monotonic()
+        if self.flush():  # the store answers: say this execution is alive
+            self.heartbeat()
+
+    def on_checkpoint(self, loop, path) -> None:
+        self._flush_and_beat()
 
     def flush(self) -> bool:
         c = client(self.uri)

@@ -3,8 +3,9 @@
 The engine launches and owns one ``sglang serve`` process (``server.py``), waits for ``/health``,
 and talks to it over HTTP:
 
-- ``generate`` sends one ``POST /rollout/generate`` per sample and turns the answers into our
-  ``Trajectory`` (``protocol.py``: the wire format and how our contract maps to SGLang's).
+- ``generate`` sends one ``POST /rollout/generate`` per group (the samples of one prompt and SDE step
+  set, up to ``outputs_per_request`` outputs each), ``concurrency`` at a time, and turns the answers
+  into our ``Trajectory`` (``protocol.py``: the wire format and how our contract maps to SGLang's).
 - ``update_weights`` pushes the trainer's LoRA as merged weights of the touched layers, tagged with
   a weight version, and optionally verifies them on the server (``weight_sync.py``).
 - ``release_memory`` / ``resume_memory`` hand the server's GPU memory to a colocated trainer and
@@ -31,7 +32,7 @@ from diffusionrl.trajectory import Trajectory
 from ..base import SamplingSpec
 from ..batch import RolloutBatch
 from . import weight_sync
-from .protocol import json_or_text, parse_generate_response, request_bodies, request_body, trajectory_fields
+from .protocol import json_or_text, parse_generate_response, plan_requests, request_body, trajectory_fields
 from .server import PRECISIONS, SGLangServer, SGLangServerError, model_folder, resolve_sglang_python
 from .weight_sync import NamedTensors, base_transformer_state, lora_layers, merge_lora
 
@@ -59,6 +60,7 @@ class SGLangRolloutEngine:
         start_timeout_s: float = 300.0,
         max_restarts: int = 3,
         concurrency: int = 2,
+        outputs_per_request: int = 16,
         request_timeout_s: float = 600.0,
         model_path: str | None = None,
         dtype: str = "float32",
@@ -78,9 +80,11 @@ class SGLangRolloutEngine:
         self.bucket_bytes = int(ipc_bucket_mb) * 2**20
         self.max_restarts = max_restarts
         self.concurrency = max(1, concurrency)
+        self.outputs_per_request = max(1, int(outputs_per_request))
         self.request_timeout_s = request_timeout_s
         self.restarts = 0
-        self.requests_sent = 0
+        self.requests_started = 0
+        self.requests_sent = 0  # answered
         self.last_push_s = 0.0
         self.dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
         self.layers = lora_layers(peft_model)
@@ -121,6 +125,7 @@ class SGLangRolloutEngine:
             ipc_bucket_mb=sc.sglang_ipc_bucket_mb,
             start_timeout_s=sc.sglang_start_timeout_s,
             max_restarts=sc.sglang_max_restarts,
+            outputs_per_request=sc.sglang_outputs_per_request,
             model_path=model_folder(cfg.model.name, adapter),
             builtin=cfg.model.name if cfg.model.name.startswith("builtin:") else "",
             dtype=cfg.model.dtype,
@@ -220,19 +225,26 @@ class SGLangRolloutEngine:
             raise SGLangServerError(f"{what}_memory_occupation failed (HTTP {r.status_code}): {json_or_text(r)}")
 
     # -- sampling ------------------------------------------------------------------------------
-    def _request(self, prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpec) -> dict:
-        """One sample's /rollout/generate body."""
-        return request_body(prompt, seed, sde_steps, spec, self.cfg_pass)
+    def _request(self, prompt: str, seeds: list[int], sde_steps: list[int], spec: SamplingSpec) -> dict:
+        """One group's /rollout/generate body."""
+        return request_body(prompt, seeds, sde_steps, spec, self.cfg_pass)
 
-    def _generate_one(self, body: dict) -> dict:
+    def _generate_one(self, body: dict) -> list[dict]:
+        with self._lock:
+            self.requests_started += 1
         r = self._post("/rollout/generate", json=body)
         with self._lock:
             self.requests_sent += 1
-        return parse_generate_response(r, body["seed"])
+        return parse_generate_response(r, body)
 
-    def _generate_all(self, bodies: list[dict]) -> list[dict]:
+    def _generate_all(self, plan: list[tuple[list[int], dict]], size: int) -> list[dict]:
+        """The answers of ``plan`` (``protocol.plan_requests``), back in sample order."""
+        items: list[dict | None] = [None] * size
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._generate_one, bodies))
+            for (idx, _), outputs in zip(plan, pool.map(self._generate_one, [body for _, body in plan])):
+                for i, item in zip(idx, outputs):
+                    items[i] = item
+        return items
 
     @torch.no_grad()
     def generate(
@@ -253,8 +265,8 @@ class SGLangRolloutEngine:
         if spec.sde_type == "ode" and spec.ode_solver != "euler":
             raise NotImplementedError(f"the sglang engine samples ODE steps with Euler only, not {spec.ode_solver!r}")
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
-        bodies = request_bodies(batch.prompts, batch.seeds, batch.sde_mask, spec, self.cfg_pass)
-        items = self._with_restart(lambda: self._generate_all(bodies), f"generate({batch.size} samples)")
+        plan = plan_requests(batch.prompts, batch.seeds, batch.sde_mask, spec, self.outputs_per_request, self.cfg_pass)
+        items = self._with_restart(lambda: self._generate_all(plan, batch.size), f"generate({batch.size} samples)")
         return batch.trajectory(**trajectory_fields(items, spec, self.adapter), policy_version=self.version)
 
     def close(self) -> None:

@@ -1,15 +1,18 @@
 """The wire format of SGLang's ``POST /rollout/generate``: request bodies, the msgpack answers,
 and a batch of answers as the parts of our ``Trajectory``.
 
-One request per sample: one output per request (``num_outputs_per_prompt=1``), with the sample's
-own seed and its own SDE step set, and no exposure to the upstream report of several outputs of one
-request collapsing to output 0's trajectory. The server computes the per-step log-probs itself;
+One request per group: the samples that share a prompt and an SDE step set (a GRPO group) go in one
+request of up to ``sampling.sglang_outputs_per_request`` outputs (``num_outputs_per_prompt``), one
+seed per output, which the server samples as one batched forward with the prompt encoded once
+(and the requests of a batch run concurrently). The server computes the per-step log-probs itself;
 the answer's DiT trajectory (latents ``[T+1, C, h, w]``, the scheduler's ``sigmas`` snapshot
 ``[T+1]``, ``timesteps``) and denoising env (the DiT's text conditioning) become our
 ``Trajectory``, so the trainer recomputes exactly what the server sampled.
 
 Mapping of our contract to SGLang's (sglang 0.5.23, SD3):
-- seeds: request ``seed`` with ``generator_device="cpu"``; same seed -> bitwise-same sample.
+- seeds: one per output (``extra_sampling_params.seed``, a list; the request's ``seed`` field is its
+  first) with ``generator_device="cpu"``; each output has its own generator, so a sample depends on
+  its seed only, not on the other outputs of its request (to fp32 rounding of the batched forward).
   SGLang's noise stream differs from the local engine's, so the two engines give different
   samples for one seed (each is reproducible).
 - step strategies: our per-sample ``sde_mask`` row -> ``rollout_sde_step_indices`` (steps not
@@ -65,21 +68,27 @@ def decode_tensors(obj):
 # -- requests -------------------------------------------------------------------------------------
 
 
-def request_body(prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpec, cfg_pass: bool = True) -> dict:
-    """The ``/rollout/generate`` body of one sample: SDE steps ``sde_steps``, ODE at the others.
-    ``cfg_pass``: the family samples with a negative (CFG) pass (SD3); a guidance-distilled one
-    (FLUX) asks for no CFG (``guidance_scale`` 1, SGLang's true-CFG weight) and its server embeds
-    the guidance itself."""
+def request_body(prompt: str, seeds: list[int], sde_steps: list[int], spec: SamplingSpec,
+                 cfg_pass: bool = True) -> dict:
+    """The ``/rollout/generate`` body of ``len(seeds)`` samples of one prompt that share the SDE
+    steps ``sde_steps`` (ODE at the others): one output per seed, in seed order. The server draws
+    each output's initial and SDE noise from its own ``torch.Generator`` seeded with that seed, and
+    runs the outputs as one batched forward (the prompt encoded once). ``RolloutRequest.seed`` is an
+    int, so the per-output seed list travels in ``extra_sampling_params`` (laid over the request's
+    sampling parameters by the server). ``cfg_pass``: the family samples with a negative (CFG) pass
+    (SD3); a guidance-distilled one (FLUX) asks for no CFG (``guidance_scale`` 1, SGLang's true-CFG
+    weight) and its server embeds the guidance itself."""
     cfg = cfg_pass and spec.guidance_scale != 1.0
-    return {
+    seeds = [int(s) for s in seeds]
+    body = {
         "prompt": prompt,
         "negative_prompt": spec.negative_prompt if cfg else None,
-        "seed": int(seed),
+        "seed": seeds[0],
         "generator_device": "cpu",
         "width": spec.resolution,
         "height": spec.resolution,
         "num_inference_steps": spec.num_steps,
-        "num_outputs_per_prompt": 1,
+        "num_outputs_per_prompt": len(seeds),
         "guidance_scale": float(spec.guidance_scale) if cfg_pass else 1.0,
         "rollout": True,
         "rollout_sde_type": "sde" if spec.sde_type == "ode" else spec.sde_type,
@@ -91,31 +100,53 @@ def request_body(prompt: str, seed: int, sde_steps: list[int], spec: SamplingSpe
         "rollout_sde_step_indices": sde_steps,
         "suppress_logs": True,
     }
+    if len(seeds) > 1:
+        body["extra_sampling_params"] = {"seed": seeds}
+    return body
 
 
-def request_bodies(prompts: list[str], seeds: torch.Tensor, sde_mask: torch.Tensor, spec: SamplingSpec,
-                   cfg_pass: bool = True) -> list[dict]:
-    """One body per sample; sample i's SDE steps are the true entries of ``sde_mask[i]`` ``[T]``."""
+def plan_requests(prompts: list[str], seeds: torch.Tensor, sde_mask: torch.Tensor, spec: SamplingSpec,
+                  per_request: int, cfg_pass: bool = True) -> list[tuple[list[int], dict]]:
+    """The requests of one batch: samples that share a prompt and an SDE step set (a GRPO group)
+    go together, at most ``per_request`` to a request. Returns ``(sample indices, body)`` pairs;
+    the answers' outputs map back to those indices in order."""
     t = spec.num_steps
-    return [
-        request_body(p, int(s), [j for j in range(t) if bool(sde_mask[i, j])], spec, cfg_pass)
-        for i, (p, s) in enumerate(zip(prompts, seeds.tolist()))
-    ]
+    runs: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        steps = tuple(j for j in range(t) if bool(sde_mask[i, j]))
+        runs.setdefault((prompt, steps), []).append(i)
+    plan = []
+    seed_list = seeds.tolist()
+    for (prompt, steps), idx in runs.items():
+        for k in range(0, len(idx), max(1, per_request)):
+            chunk = idx[k:k + max(1, per_request)]
+            plan.append((chunk, request_body(prompt, [seed_list[i] for i in chunk], list(steps), spec,
+                                                      cfg_pass)))
+    return plan
 
 
-def parse_generate_response(r, seed: int) -> dict:
-    """The one output of a ``/rollout/generate`` answer to a request for ``seed``, tensors decoded."""
+def request_seeds(body: dict) -> list[int]:
+    """The per-output seeds a body asks for, in output order."""
+    extra = body.get("extra_sampling_params") or {}
+    return [int(s) for s in extra.get("seed", [body["seed"]])]
+
+
+def parse_generate_response(r, body: dict) -> list[dict]:
+    """The outputs of a ``/rollout/generate`` answer to ``body``, tensors decoded: exactly one per
+    requested seed, each answering the request's first seed (the server echoes the request's
+    ``seed`` field) and each with its own log-probs and trajectory."""
     import msgpack
 
     if r.status_code != 200:
         raise SGLangServerError(f"/rollout/generate failed (HTTP {r.status_code}): {json_or_text(r)}")
     items = decode_tensors(msgpack.unpackb(r.content, raw=False))
-    if len(items) != 1:
-        raise SGLangServerError(f"/rollout/generate returned {len(items)} outputs for 1 requested")
-    item = items[0]
-    if int(item["seed"]) != seed:
-        raise SGLangServerError(f"/rollout/generate answered seed {item['seed']} for seed {seed}")
-    return item
+    n = len(request_seeds(body))
+    if len(items) != n:
+        raise SGLangServerError(f"/rollout/generate returned {len(items)} outputs for {n} requested")
+    for item in items:
+        if int(item["seed"]) != int(body["seed"]):
+            raise SGLangServerError(f"/rollout/generate answered seed {item['seed']} for seed {body['seed']}")
+    return items
 
 
 # -- answers -> trajectory --------------------------------------------------------------------------
