@@ -277,6 +277,9 @@ class SyncRunFolder(Callback):
         self.folder.push_changed()
 
     def on_checkpoint(self, loop, path) -> None:
+        # what the checkpoint covers first (files a background writer finished after the last step's
+        # push, e.g. the step's trajectory file), then the checkpoint itself
+        self.folder.push_changed()
         self.folder.publish_checkpoint(path, loop.step, self.keep)
 
     def on_end(self, loop) -> None:
