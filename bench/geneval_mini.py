@@ -63,9 +63,9 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         while loop.step < cfg.train.steps and not (budget_s is not None and time.perf_counter() - t0 >= budget_s):
             loop.run_step(loop.step)
             m = loop.history[-1]
-            accuracy = m.get("rollout/reward/geneval_mini_accuracy", float("nan"))
+            train_acc = m.get("rollout/reward/geneval_mini_accuracy", float("nan"))
             print(f"{name or 'flow_grpo'} step {loop.step}: reward {m['rollout/reward/raw_mean']:.3f} accuracy "
-                  f"{accuracy:.3f} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                  f"{train_acc:.3f} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         wall = time.perf_counter() - t0
         lora_dir, _ = loop.backend.save_outputs(loop.step)
         loop.close()

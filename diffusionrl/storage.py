@@ -266,8 +266,8 @@ def _step(name: str) -> int:
 class SyncRunFolder(Callback):
     """Loop callback keeping a remote run folder current: after each step the new and changed
     files (``metrics.jsonl``, trajectory step files, sample grids), at each checkpoint those files
-    again (a background writer may have finished one since) and then an atomic publish, at the end the outputs (the LoRA folders). Add it after the callbacks that write
-    into the run folder."""
+    again (a background writer may have finished one since) and then an atomic publish, at the end
+    the outputs (the LoRA folders). Add it after the callbacks that write into the run folder."""
 
     def __init__(self, folder: RunFolder, keep: int = 0):
         self.folder = folder

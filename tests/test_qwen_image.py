@@ -3,9 +3,7 @@ QwenImagePipeline), true-CFG parity with the stock pipeline with padded text (to
 exactness invariants (docs/algorithms.md section 11), dead LoRA targets, NFT end to end."""
 
 import copy
-import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,10 +17,10 @@ from diffusionrl.models import (
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
-from diffusionrl.training.trainer import UpdateStats
 from diffusionrl.trajectory_store import read_trajectory, write_step
 
 from .conftest import tiny_config
+from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -103,27 +101,13 @@ def test_recomputed_log_probs_equal_rollout_log_probs_before_the_update(loop, sc
     traj, _ = scored
     assert isinstance(loop.backend.worker.adapter, QwenImageAdapter)
     assert traj.conditioning.negative_prompt_embeds is not None  # true CFG at 4.0
-    diff, pairs = loop.backend.worker.objective.recompute_log_prob_diff(traj)
-    assert pairs == int(traj.sde_mask.sum()) and pairs > 0 and diff <= 1e-6, diff
+    diff = recompute_diff(loop, traj)
+    assert diff <= 1e-6, diff
 
 
 def test_gradient_does_not_depend_on_the_micro_batch_split(loop, scored):
-    traj, active = scored
-    worker = loop.backend.worker
-
-    def grads(micro):
-        t = dataclasses.replace(traj, micro_batch_size=micro)
-        worker.trainer.optimizer.zero_grad(set_to_none=True)
-        assert worker.trainer.accumulate(worker.objective.units(t, t.micro_batches(), active,
-                                                                np.random.default_rng(0)), UpdateStats())
-        out = {n: p.grad.detach().clone() for n, p in worker.policy.params.items()}
-        worker.trainer.optimizer.zero_grad(set_to_none=True)
-        return out
-
-    one, many = grads(8), grads(2)
-    num = max(float((one[n] - many[n]).norm()) for n in one)
-    den = max(float(one[n].norm()) for n in one)
-    assert den > 0 and num / den <= 1e-5, num / den
+    rel = split_rel_diff(loop, *scored)
+    assert rel <= 1e-5, rel
 
 
 def test_every_lora_parameter_changes_after_a_step(loop, scored):
@@ -132,10 +116,7 @@ def test_every_lora_parameter_changes_after_a_step(loop, scored):
     params = " ".join(loop.backend.worker.policy.params)
     assert "transformer_blocks.0.attn.to_add_out." in params and "transformer_blocks.1.attn.to_add_out." not in params
     assert "transformer_blocks.1.attn.add_k_proj." in params  # text keys of the last block still reach the image
-    before = loop.backend.worker.policy.lora_state()
-    metrics = loop.backend.update(traj, active, step=0)
-    after = loop.backend.worker.policy.lora_state()
-    unchanged = [n for n in before if torch.equal(before[n], after[n])]
+    unchanged, metrics = unchanged_after_update(loop, traj, active)
     assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
     assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6
 

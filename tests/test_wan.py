@@ -2,8 +2,6 @@
 model_index.json, parity with the stock WanPipeline, the exactness invariants (docs/algorithms.md
 section 11) on 5-D video latents, and both objectives end to end."""
 
-import copy
-import dataclasses
 import json
 
 import numpy as np
@@ -14,9 +12,9 @@ from diffusionrl.models import WanAdapter, adapter_class, build_tiny_wan_pipelin
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
-from diffusionrl.training.trainer import UpdateStats
 
 from .conftest import tiny_config
+from .family_checks import nft_one_step, recompute_diff, split_rel_diff, unchanged_after_update
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -97,52 +95,23 @@ def test_the_loop_samples_and_scores_videos_with_cfg(loop, scored):
 
 
 def test_recomputed_log_probs_equal_rollout_log_probs_before_the_update(loop, scored):
-    traj, active = scored
-    diff, pairs = loop.backend.worker.objective.recompute_log_prob_diff(traj)
-    assert pairs == int(traj.sde_mask.sum()) and pairs > 0
+    diff = recompute_diff(loop, scored[0])
     assert diff <= 1e-6, diff
 
 
-def _grads(loop, traj, active, micro):
-    traj = dataclasses.replace(traj, micro_batch_size=micro)
-    trainer, objective = loop.backend.worker.trainer, loop.backend.worker.objective
-    trainer.optimizer.zero_grad(set_to_none=True)
-    units = objective.units(traj, traj.micro_batches(), active, np.random.default_rng(0))
-    assert trainer.accumulate(units, UpdateStats())
-    grads = {n: p.grad.detach().clone() for n, p in loop.backend.worker.policy.params.items()}
-    trainer.optimizer.zero_grad(set_to_none=True)
-    return grads
-
-
 def test_gradient_does_not_depend_on_the_micro_batch_split(loop, scored):
-    traj, active = scored
-    one, many = _grads(loop, traj, active, micro=8), _grads(loop, traj, active, micro=2)
-    num = max(float((one[n] - many[n]).norm()) for n in one)
-    den = max(float(one[n].norm()) for n in one)
-    assert den > 0 and num / den <= 1e-5, num / den
+    rel = split_rel_diff(loop, *scored)
+    assert rel <= 1e-5, rel
 
 
 def test_every_lora_parameter_changes_after_a_step(loop, scored):
-    traj, active = scored
-    before = loop.backend.worker.policy.lora_state()
-    metrics = loop.backend.update(traj, active, step=0)
-    after = loop.backend.worker.policy.lora_state()
-    unchanged = [n for n in before if torch.equal(before[n], after[n])]
+    unchanged, metrics = unchanged_after_update(loop, *scored)
     assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
     assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6 and metrics["train/clipfrac"] == 0.0
 
 
 def test_nft_trains_on_wan_end_to_end(tmp_path):
-    cfg = tiny_config("train.steps=1", preset="tiny-cpu-wan-nft")
-    lp = build_loop(cfg, tmp_path, progress=False)
-    before = copy.deepcopy(lp.backend.worker.policy.lora_state())
-    result = lp.run(resume=None)
-    after = lp.backend.worker.policy.lora_state()
-    lp.close()
-    assert result.steps_done == 1 and isinstance(lp.backend.worker.adapter, WanAdapter)
-    assert all(not torch.equal(before[n], after[n]) for n in before)
-    assert all(np.isfinite(v) for v in result.metrics[0].values())
-    assert (result.model_dir / "adapter_model.safetensors").is_file()
+    nft_one_step("tiny-cpu-wan-nft", tmp_path, WanAdapter)
 
 
 def test_the_sglang_engine_refuses_wan_naming_why():

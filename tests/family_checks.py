@@ -1,0 +1,63 @@
+"""The exactness checks every model family passes (docs/algorithms.md section 11), shared by
+``test_flux.py``, ``test_qwen_image.py`` and ``test_wan.py`` over a loop of the family's tiny preset."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import torch
+
+from diffusionrl.train import build_loop
+from diffusionrl.training.trainer import UpdateStats
+
+from .conftest import tiny_config
+
+
+def recompute_diff(loop, traj) -> float:
+    """The largest |rollout log-prob - trainer recompute| before any update (over every SDE step)."""
+    diff, pairs = loop.backend.worker.objective.recompute_log_prob_diff(traj)
+    assert pairs == int(traj.sde_mask.sum()) and pairs > 0
+    return diff
+
+
+def _grads(loop, traj, active, micro: int) -> dict[str, torch.Tensor]:
+    worker = loop.backend.worker
+    traj = dataclasses.replace(traj, micro_batch_size=micro)
+    worker.trainer.optimizer.zero_grad(set_to_none=True)
+    units = worker.objective.units(traj, traj.micro_batches(), active, np.random.default_rng(0))
+    assert worker.trainer.accumulate(units, UpdateStats())
+    grads = {n: p.grad.detach().clone() for n, p in worker.policy.params.items()}
+    worker.trainer.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def split_rel_diff(loop, traj, active, whole: int = 8, parts: int = 2) -> float:
+    """max |g(one micro-batch) - g(micro-batches of ``parts``)| / max |g|, over the LoRA tensors."""
+    one, many = _grads(loop, traj, active, whole), _grads(loop, traj, active, parts)
+    num = max(float((one[n] - many[n]).norm()) for n in one)
+    den = max(float(one[n].norm()) for n in one)
+    assert den > 0
+    return num / den
+
+
+def unchanged_after_update(loop, traj, active) -> tuple[list[str], dict[str, float]]:
+    """The LoRA tensors one update leaves unchanged (none, for live targets), and its metrics."""
+    before = loop.backend.worker.policy.lora_state()
+    metrics = loop.backend.update(traj, active, step=0)
+    after = loop.backend.worker.policy.lora_state()
+    return [n for n in before if torch.equal(before[n], after[n])], metrics
+
+
+def nft_one_step(preset: str, out_dir, adapter_class) -> None:
+    """One DiffusionNFT step of ``preset`` end to end: every LoRA tensor moves, metrics finite, LoRA saved."""
+    lp = build_loop(tiny_config("train.steps=1", preset=preset), out_dir, progress=False)
+    before = copy.deepcopy(lp.backend.worker.policy.lora_state())
+    result = lp.run(resume=None)
+    after = lp.backend.worker.policy.lora_state()
+    lp.close()
+    assert result.steps_done == 1 and isinstance(lp.backend.worker.adapter, adapter_class)
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+    assert all(np.isfinite(v) for v in result.metrics[0].values())
+    assert (result.model_dir / "adapter_model.safetensors").is_file()
