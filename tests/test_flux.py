@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from diffusionrl.models import (
+    TINY_FLUX_REF,
     FluxAdapter,
     SD3Adapter,
     adapter_class,
     build_tiny_flux_pipeline,
     module_digest,
-    save_tiny_flux,
+    save_builtin,
 )
 from diffusionrl.models.families import UnknownModelFamily
 from diffusionrl.models.flux import pack, unpack
@@ -39,7 +40,7 @@ def test_same_weights_on_every_build_and_the_stock_pipeline_loads_the_saved_fold
 
     again = build_tiny_flux_pipeline()
     assert module_digest({n: getattr(again, n) for n in COMPONENTS}) == flux.digest()
-    save_tiny_flux(tmp_path / "tiny")
+    save_builtin(TINY_FLUX_REF, tmp_path / "tiny")
     pipe = FluxPipeline.from_pretrained(tmp_path / "tiny")
     out = pipe(prompt="a red cat", num_inference_steps=2, height=64, width=64, max_sequence_length=16,
                generator=torch.Generator().manual_seed(0), output_type="np")

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from diffusionrl.models import (
+    TINY_QWEN_IMAGE_REF,
     QwenImageAdapter,
     adapter_class,
     build_tiny_qwen_image_pipeline,
     module_digest,
-    save_tiny_qwen_image,
+    save_builtin,
 )
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
@@ -37,7 +38,7 @@ def test_same_weights_on_every_build_and_the_stock_pipeline_loads_the_saved_fold
 
     again = build_tiny_qwen_image_pipeline()
     assert module_digest({n: getattr(again, n) for n in qwen.components}) == qwen.digest()
-    save_tiny_qwen_image(tmp_path / "tiny")
+    save_builtin(TINY_QWEN_IMAGE_REF, tmp_path / "tiny")
     pipe = QwenImagePipeline.from_pretrained(tmp_path / "tiny")
     out = pipe(prompt="a red cat", negative_prompt=" ", true_cfg_scale=4.0, num_inference_steps=2, height=32,
                width=32, generator=torch.Generator().manual_seed(0), output_type="np")

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from diffusionrl.models import WanAdapter, adapter_class, build_tiny_wan_pipeline, module_digest, save_tiny_wan
+from diffusionrl.models import (
+    TINY_WAN_REF,
+    WanAdapter,
+    adapter_class,
+    build_tiny_wan_pipeline,
+    module_digest,
+    save_builtin,
+)
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
@@ -31,7 +38,7 @@ def test_same_weights_on_every_build_and_the_stock_pipeline_loads_the_saved_fold
 
     again = build_tiny_wan_pipeline()
     assert module_digest({n: getattr(again, n) for n in COMPONENTS}) == wan.digest()
-    save_tiny_wan(tmp_path / "tiny")
+    save_builtin(TINY_WAN_REF, tmp_path / "tiny")
     assert json.loads((tmp_path / "tiny" / "model_index.json").read_text())["_class_name"] == "WanPipeline"
     pipe = WanPipeline.from_pretrained(tmp_path / "tiny")
     out = pipe(prompt="a red cat", num_inference_steps=2, height=32, width=32, num_frames=5, max_sequence_length=16,

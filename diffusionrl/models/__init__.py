@@ -9,9 +9,9 @@ from .flux import FluxAdapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .tiny import TINY_REF, build_tiny_sd3_pipeline, save_tiny_sd3
-from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline, save_tiny_flux
-from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline, save_tiny_qwen_image
-from .tiny_wan import TINY_WAN_REF, build_tiny_wan_pipeline, save_tiny_wan
+from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline
+from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline
+from .tiny_wan import TINY_WAN_REF, build_tiny_wan_pipeline
 from .wan import WanAdapter
 
 __all__ = [
@@ -37,8 +37,5 @@ __all__ = [
     "pipeline_class_of",
     "resolve_device",
     "save_builtin",
-    "save_tiny_flux",
-    "save_tiny_qwen_image",
     "save_tiny_sd3",
-    "save_tiny_wan",
 ]

@@ -9,12 +9,10 @@ and T5EncoderModel; FlowMatchEulerDiscreteScheduler with FLUX.1-dev's resolution
 constructor runs right after ``torch.manual_seed(TINY_SEED + k)``, so the weights are the same
 on every machine with the same torch version.
 
-``save_tiny_flux(dir)`` writes a folder that ``FluxPipeline.from_pretrained(dir)`` loads.
+``models.save_builtin(ref, dir)`` writes a folder that ``FluxPipeline.from_pretrained(dir)`` loads.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -102,10 +100,3 @@ def build_tiny_flux_pipeline():
     from diffusers import FluxPipeline
 
     return FluxPipeline(**build_tiny_flux_components())
-
-
-def save_tiny_flux(directory: str | Path) -> Path:
-    """Write ``builtin:tiny-flux`` as a diffusers folder (safetensors weights, JSON configs)."""
-    directory = Path(directory)
-    build_tiny_flux_pipeline().save_pretrained(directory, safe_serialization=True)
-    return directory

@@ -10,12 +10,10 @@ dropped; a one-block vision tower it never uses), a byte-level BPE Qwen2Tokenize
 shift (base 0.5, max 0.9 over 256..8192 tokens, terminal 0.02). Each constructor runs right after
 ``torch.manual_seed(TINY_SEED + k)``.
 
-``save_tiny_qwen_image(dir)`` writes a folder that ``QwenImagePipeline.from_pretrained(dir)`` loads.
+``models.save_builtin(ref, dir)`` writes a folder that ``QwenImagePipeline.from_pretrained(dir)`` loads.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -110,10 +108,3 @@ def build_tiny_qwen_image_pipeline():
     pipe = QwenImagePipeline(**build_tiny_qwen_image_components())
     check_template_prefix(pipe)
     return pipe
-
-
-def save_tiny_qwen_image(directory: str | Path) -> Path:
-    """Write ``builtin:tiny-qwen-image`` as a diffusers folder (safetensors weights, JSON configs)."""
-    directory = Path(directory)
-    build_tiny_qwen_image_pipeline().save_pretrained(directory, safe_serialization=True)
-    return directory

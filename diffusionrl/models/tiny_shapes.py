@@ -102,10 +102,3 @@ def build_shapes_pipeline(weights: str | Path | None = SHAPES_WEIGHTS):
     from diffusers import StableDiffusion3Pipeline
 
     return StableDiffusion3Pipeline(**build_shapes_components(weights))
-
-
-def save_shapes_sd3(directory: str | Path) -> Path:
-    """Write ``builtin:tiny-sd3-shapes`` as a diffusers folder (safetensors weights, JSON configs)."""
-    directory = Path(directory)
-    build_shapes_pipeline().save_pretrained(directory, safe_serialization=True)
-    return directory

@@ -12,12 +12,10 @@ The tokenizer is the tiny T5 (sentencepiece-style) tokenizer of ``models/tiny.py
 constructed right after ``torch.manual_seed(TINY_SEED + k)``, so every machine with the same torch
 version builds the same weights. 32 px x 5 frames -> latents ``[16, 2, 4, 4]``.
 
-``save_tiny_wan(dir)`` writes a folder that ``WanPipeline.from_pretrained(dir)`` loads.
+``models.save_builtin(ref, dir)`` writes a folder that ``WanPipeline.from_pretrained(dir)`` loads.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -86,10 +84,3 @@ def build_tiny_wan_pipeline():
     from diffusers import WanPipeline
 
     return WanPipeline(**build_tiny_wan_components())
-
-
-def save_tiny_wan(directory: str | Path) -> Path:
-    """Write ``builtin:tiny-wan`` as a diffusers folder (safetensors weights, JSON configs)."""
-    directory = Path(directory)
-    build_tiny_wan_pipeline().save_pretrained(directory, safe_serialization=True)
-    return directory
