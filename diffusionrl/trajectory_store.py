@@ -35,11 +35,17 @@ class CorruptParquetFile(ValueError):
 
 
 def write_parquet(table: pa.Table, path: str | Path) -> Path:
-    """Write ``table`` to ``path`` atomically (a temporary file, then a rename), every page checksummed."""
+    """Write ``table`` to ``path`` atomically (a temporary file, then a rename), every page checksummed.
+
+    Only string columns are dictionary-encoded (run id, prompt, SDE type, metadata repeat within a
+    step); pyarrow's default tries a dictionary on every column and gives up on the float tensors
+    and PNG bytes only after building one: 3x slower and a larger file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp, write_page_checksum=True)
+    strings = [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    pq.write_table(table, tmp, write_page_checksum=True, use_dictionary=strings)
     tmp.replace(path)
     return path
 
@@ -103,7 +109,7 @@ def _png(image: np.ndarray) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(image).save(buf, format="PNG")
+    Image.fromarray(image).save(buf, format="PNG", compress_level=1)  # lossless; 2.5x faster than 6, ~15% larger
     return buf.getvalue()
 
 
