@@ -158,6 +158,11 @@ def test_trajectory_shapes(stack):
     assert c.negative_prompt_embeds.shape == c.prompt_embeds.shape
     assert (torch.equal(c.prompt_embeds[0], c.prompt_embeds[1])
             and not torch.equal(c.prompt_embeds[0], c.prompt_embeds[2]))
+    # the server encodes as the local engine does: CLIP 77 + T5 max_sequence_length tokens, same values
+    ours = adapter.encode_prompts(prompts, "", 32)
+    assert c.prompt_embeds.shape[1] == 77 + 32
+    for name in ("prompt_embeds", "pooled_embeds", "negative_prompt_embeds", "negative_pooled_embeds"):
+        torch.testing.assert_close(getattr(c, name), getattr(ours, name), rtol=1e-5, atol=1e-5, msg=name)
     assert traj.images.shape == (b, 32, 32, 3) and traj.images.dtype == np.uint8
     assert traj.policy_version == engine.version and traj.metadata[3] == {"i": 3}
     assert traj.latents[:, 0].std() > 0.5  # x_0 is noise
@@ -277,9 +282,8 @@ def test_weight_push_changes_outputs_and_restores(stack):
 # -- training with the SGLang engine ---------------------------------------------------------------
 
 
-# TINY_OVERRIDES (2 steps, 32 px, 4 denoising steps) with one group of 4 and one SDE step: SGLang's
-# SD3 conditions on 333 text tokens (local: 109), which makes the tiny model's update ~3x dearer;
-# no KL term (a third fewer forwards): the engine is under test here, not the objective.
+# TINY_OVERRIDES (2 steps, 32 px, 4 denoising steps) with one group of 4 and one SDE step, no KL
+# term (a third fewer forwards): the engine is under test here, not the objective.
 SGLANG_TRAIN = ["train.prompts_per_step=1", "sampling.num_sde_steps=1", "algorithm.kl_beta=0"]
 
 
@@ -391,6 +395,9 @@ def test_flux_is_served_with_a_pushed_lora_and_recomputed_exactly(flux_stack):
         flux_spec = spec(guidance_scale=3.5)
         traj = engine.generate(prompts, groups, seeds, flux_spec, mask)
         assert traj.latents.shape == (4, 5, 16, 4, 4) and traj.conditioning.negative_prompt_embeds is None
+        ours = adapter.encode_prompts(prompts, None, cfg.model.max_sequence_length)  # T5 at the local length
+        torch.testing.assert_close(traj.conditioning.prompt_embeds, ours.prompt_embeds, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(traj.conditioning.pooled_embeds, ours.pooled_embeds, rtol=1e-5, atol=1e-5)
         sigmas, _ = adapter.schedule(4, 32)  # the resolution-dependent shift, as the server computes it
         torch.testing.assert_close(traj.sigmas, sigmas, rtol=0, atol=1e-6)
         diff, pairs = FlowGRPOObjective(cfg, policy).recompute_log_prob_diff(traj)

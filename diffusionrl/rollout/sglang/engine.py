@@ -67,11 +67,13 @@ class SGLangRolloutEngine:
         server: SGLangServer | None = None,
         builtin: str = "",
         guidance_scale: float | None = None,
+        t5_tokens: int | None = None,
     ):
         """``server``: attach to a running server of the same base model instead of launching
         one (the engine then restarts it if it dies, but does not stop it on ``close``).
         ``guidance_scale``: what a guidance-distilled family's server embeds (FLUX: SGLang takes it
-        per server); requests must then ask for the same scale."""
+        per server); requests must then ask for the same scale. ``t5_tokens``: the T5 prompt length
+        the server encodes (``model.max_sequence_length``, the local engine's; ``None``: SGLang's)."""
         self.adapter = adapter
         self.cfg_pass = adapter.needs_negative(2.0)  # does the family sample with a negative (CFG) pass at all?
         self.micro_batch_size = micro_batch_size
@@ -100,7 +102,7 @@ class SGLangRolloutEngine:
             server = SGLangServer(
                 resolve_sglang_python(python), model_path or self._materialize_model(), PRECISIONS[dtype], port=port,
                 workdir=self.workdir, start_timeout_s=start_timeout_s, family=adapter.family,
-                embedded_guidance=embedded,
+                embedded_guidance=embedded, t5_tokens=t5_tokens,
             )
         self.server = server
         try:
@@ -130,6 +132,7 @@ class SGLangRolloutEngine:
             builtin=cfg.model.name if cfg.model.name.startswith("builtin:") else "",
             dtype=cfg.model.dtype,
             guidance_scale=sc.guidance_scale,
+            t5_tokens=cfg.model.max_sequence_length,
         )
 
     def _materialize_model(self) -> str:

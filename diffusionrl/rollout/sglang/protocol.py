@@ -23,10 +23,11 @@ Mapping of our contract to SGLang's (sglang 0.5.23, SD3):
 - sigmas/timesteps: the server's own post-shift ``sigmas`` snapshot is kept as is (recomputing it
   from timesteps drifts ~3e-5 in log-prob); its timesteps carry a terminal 0, dropped (``[:T]``).
 - conditioning: ``pos_cond_kwargs`` / ``neg_cond_kwargs`` (``encoder_hidden_states``,
-  ``pooled_projections``) -> ``Conditioning``. SGLang encodes SD3 prompts with its own lengths
-  (CLIP 77 + T5 256 tokens); a request's ``max_sequence_length`` would also cut CLIP and is not
-  applied to the negative prompt in 0.5.23, so the engine does not send it: its conditioning has
-  333 tokens where the local engine's has ``77 + model.max_sequence_length``.
+  ``pooled_projections``) -> ``Conditioning``. The server encodes T5 at ``model.max_sequence_length``
+  tokens, as the local engine does (``server.text_encoder_args``: SD3 then conditions on
+  ``77 + max_sequence_length`` tokens, not SGLang's fixed 77 + 256; FLUX.1 on ``max_sequence_length``,
+  not 512). A request's ``max_sequence_length`` is not sent: in 0.5.23 it would cut SD3's CLIP
+  encoders too and is not applied to the negative prompt.
 - images: ``generated_output`` (float ``[3, H, W]`` in [0, 1]) -> uint8 ``[H, W, 3]``.
 """
 

@@ -8,6 +8,7 @@ as a group), and without a GPU at the lowest CPU priority.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import random
@@ -34,6 +35,22 @@ UNSERVED_FAMILIES = {
            "sgl_kernel lacks: /rollout/generate answers HTTP 500 on the first forward",
 }
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def text_encoder_args(family: str, t5_tokens: int) -> list[dict]:
+    """SGLang's ``text_encoder_extra_args`` (per text encoder, laid over its tokenizer kwargs) that
+    make a served family encode prompts as the local engine does: CLIP at its 77 tokens, T5 at
+    ``model.max_sequence_length`` (diffusers' ``max_sequence_length``). SGLang 0.5.23 fixes SD3's
+    T5 at 256 tokens and FLUX.1's at 512 otherwise, and a request's ``max_sequence_length`` would
+    cut SD3's CLIP encoders too and miss its negative prompt; this applies to every prompt."""
+    t5 = {"max_length": int(t5_tokens), "padding": "max_length", "truncation": True}
+    if family == "sd3":  # CLIP-L, CLIP-G keep their kwargs; T5 third
+        return [{}, {}, t5]
+    if family == "flux":  # SGLang's FLUX.1 kwargs (CLIP 77), T5 second
+        common = {"padding": "max_length", "truncation": True, "return_overflowing_tokens": False,
+                  "return_length": False}
+        return [{**common, "max_length": 77}, {**common, **t5}]
+    raise SGLangServerError(f"no text-encoder lengths for family {family!r}")
 SGLANG_PYTHON_ENV = "DIFFUSIONRL_SGLANG_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parents[3]  # diffusionrl/rollout/sglang/server.py -> the repo
 
@@ -113,10 +130,12 @@ class SGLangServer:
     """One ``sglang serve`` process in its own process group (killed as a group)."""
 
     def __init__(self, python: str, model_path: str, precision: str, port: int = 0, workdir: str | Path | None = None,
-                 start_timeout_s: float = 300.0, family: str = "sd3", embedded_guidance: float | None = None):
+                 start_timeout_s: float = 300.0, family: str = "sd3", embedded_guidance: float | None = None,
+                 t5_tokens: int | None = None):
         """``family``: the adapter's (``SERVED_FAMILIES``); ``embedded_guidance``: the guidance input
         of a guidance-distilled family (FLUX), which SGLang 0.5.23 takes per server
-        (``--embedded-cfg-scale``), not per request."""
+        (``--embedded-cfg-scale``), not per request; ``t5_tokens``: the T5 prompt length
+        (``text_encoder_args``; ``None``: SGLang's own)."""
         if family not in SERVED_FAMILIES:
             why = f" ({UNSERVED_FAMILIES[family]})" if family in UNSERVED_FAMILIES else ""
             raise SGLangServerError(f"the sglang engine serves the families {sorted(SERVED_FAMILIES)}, "
@@ -126,6 +145,7 @@ class SGLangServer:
         self.precision = precision
         self.family = family
         self.embedded_guidance = embedded_guidance
+        self.t5_tokens = t5_tokens
         self.requested_port = port
         self.port = 0
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="sglang-"))
@@ -145,14 +165,18 @@ class SGLangServer:
     def command(self) -> list[str]:
         p = self.precision
         model_id, encoders = SERVED_FAMILIES[self.family]
-        guidance = [] if self.embedded_guidance is None else ["--embedded-cfg-scale", repr(self.embedded_guidance)]
+        extra = [] if self.embedded_guidance is None else ["--embedded-cfg-scale", repr(self.embedded_guidance)]
+        if self.t5_tokens is not None:  # a pipeline-config file: the one way to set text_encoder_extra_args
+            config = self.workdir / "pipeline_config.json"
+            config.write_text(json.dumps({"text_encoder_extra_args": text_encoder_args(self.family, self.t5_tokens)}))
+            extra += ["--pipeline-config-path", str(config)]
         return [
             self.python, "-c",
             "import sys; from sglang.cli.main import main; sys.argv[0] = 'sglang'; sys.exit(main())",
             "serve", "--model-path", self.model_path, "--model-id", model_id,
             "--host", "127.0.0.1", "--port", str(self.port), "--num-gpus", "1",
             "--dit-precision", p, "--vae-precision", p, "--text-encoder-precisions", *[p] * encoders,
-            *guidance, "--warmup-mode", "off",
+            *extra, "--warmup-mode", "off",
         ]
 
     def start(self, attempts: int = 3) -> None:
