@@ -3,6 +3,8 @@ without checksums still read."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
@@ -71,6 +73,28 @@ def test_round_trip_and_plain_pandas(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_images_round_trip_losslessly_as_rgb_png(tmp_path):
+    """The PNG bytes (OpenCV's encoder) decode with plain Pillow to the very RGB pixels, channel order
+    included: a pure red, green and blue image each stay what they are."""
+    import io
+
+    from PIL import Image
+
+    traj = scored_trajectory()
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (traj.batch_size, 8, 12, 3), dtype=np.uint8)
+    for k in range(3):
+        images[k] = 0
+        images[k, ..., k] = 255  # image k is pure red / green / blue
+    traj = replace(traj, images=images)
+    path = write_step(tmp_path, traj, run_id="run", step=1, latents=True)
+    assert np.array_equal(read_trajectory(path).images, images)
+    pngs = pd.read_parquet(path)["image_png"]
+    assert all(bytes(png[:8]) == b"\x89PNG\r\n\x1a\n" for png in pngs)
+    red = np.asarray(Image.open(io.BytesIO(pngs[0])))
+    assert red.shape == (8, 12, 3) and (red[..., 0] == 255).all() and (red[..., 1:] == 0).all()
+
+
 def test_a_corrupted_step_file_fails_naming_the_file_and_step(tmp_path):
     trajs = [scored_trajectory(seed=s) for s in range(3)]
     paths = [write_step(tmp_path, tr, run_id="run", step=s + 1, images=False, latents=True)
@@ -106,8 +130,6 @@ def test_files_written_without_checksums_still_read(tmp_path):
 def video_trajectory(b: int = 2, t: int = 3) -> Trajectory:
     """``scored_trajectory`` as videos: latents ``[B, T+1, C, F', H, W]``, frames ``[B, F, H, W, 3]``,
     and no pooled embedding (``[B, 0]``, as Wan's conditioning)."""
-    from dataclasses import replace
-
     base = scored_trajectory(b, t)
     g = torch.Generator().manual_seed(1)
     frames = torch.randint(0, 256, (b, 5, 8, 8, 3), generator=g).to(torch.uint8).numpy()
