@@ -40,7 +40,7 @@ from .common import (
     stage_dir,
     user_errors,
 )
-from .resources import CPU_TASK, MLFLOW, load_secrets
+from .resources import CPU_TASK, MLFLOW, REPORT_DECKS, load_secrets
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def register_bdlm(config: BDLMConfig, run: TrackingRun, model: FlyteDirectory, t
     return RegisteredVersion.record(run, reg)
 
 
-@task(**CPU_TASK, secret_requests=MLFLOW, enable_deck=True)
+@task(**CPU_TASK, secret_requests=MLFLOW, enable_deck=True, deck_fields=REPORT_DECKS)
 def report_bdlm(config: BDLMConfig, run: TrackingRun, metrics: pd.DataFrame, eval_table: pd.DataFrame,
                 eval_summary: dict[str, float], model: FlyteDirectory, traces: FlyteDirectory, run_dir: str,
                 registered: RegisteredVersion) -> FlyteFile:

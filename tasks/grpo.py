@@ -50,6 +50,7 @@ from .resources import (
     MLFLOW,
     RAY_CONFIG,
     RAY_ENVIRONMENT,
+    REPORT_DECKS,
     TIMEOUTS,
     load_secrets,
     secrets,
@@ -333,7 +334,7 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
 # -- report -------------------------------------------------------------------------------------------------
 
 
-@task(**CPU_TASK, secret_requests=MLFLOW, enable_deck=True)
+@task(**CPU_TASK, secret_requests=MLFLOW, enable_deck=True, deck_fields=REPORT_DECKS)
 def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval_summary: dict[str, float],
            grid: FlyteFile, lora: FlyteDirectory, trajectories: FlyteDirectory, run_dir: str,
            prompts_digest: str, model_digest: str, run: TrackingRun, registered: RegisteredVersion) -> FlyteFile:

@@ -23,6 +23,7 @@ from datetime import timedelta
 
 from flytekit import PodTemplate, Resources, Secret
 from flytekit.core.context_manager import FlyteContextManager
+from flytekit.deck import DeckField
 from flytekit.extend import TaskPlugins
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
@@ -81,6 +82,10 @@ ENVIRONMENT = _registration_environment()
 MLFLOW = secrets("mlflow")
 HF_MLFLOW = secrets("hf", "mlflow")
 CPU_TASK = {"container_image": CPU_IMAGE, "environment": ENVIRONMENT}  # the CPU tasks that talk to MLflow
+# The report tasks' Flyte Decks: ours ("Report") and flytekit's source code, timeline, inputs and
+# outputs; not its "Dependencies" deck, a `pip list` of the pod run in a subprocess at every execution
+# (0.7 s of a local demo run): the image's dependencies are fixed by its tag (images/).
+REPORT_DECKS = (DeckField.SOURCE_CODE, DeckField.TIMELINE, DeckField.INPUT, DeckField.OUTPUT)
 
 # -- GPUs, storage, timeouts --------------------------------------------------------------------------
 

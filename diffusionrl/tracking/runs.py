@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -205,11 +206,14 @@ def finish_quietly(run: TrackingRun, stage_id: str) -> None:
 def log_evaluation(run: TrackingRun, summary: dict[str, float], table, grid=None) -> None:
     """The ``evaluate`` stage run: the summary (also on the workflow run), the per-prompt table and
     the base-over-tuned image grid when there is one."""
+    from mlflow.entities import Metric
+
     stage = stage_run(run, "evaluate")
     c = client(run.uri)
-    for key, value in summary.items():
-        c.log_metric(stage, key, value)
-        c.log_metric(run.run_id, key, value)
+    now = int(time.time() * 1000)
+    metrics = [Metric(key, float(value), now, 0) for key, value in summary.items()]
+    for run_id in (stage, run.run_id):
+        c.log_batch(run_id, metrics=metrics)
     c.log_table(stage, table, "eval/table.json")
     if grid is not None:
         log_picture(run.uri, stage, grid, "eval/grid_base_top_tuned_bottom.png")  # video: a GIF
@@ -230,11 +234,13 @@ def log_final_metrics(
 
     if not len(metrics):
         return
+    from mlflow.entities import Metric
+
     last = metrics.iloc[-1]
-    c = client(run.uri)
-    for key in keys:
-        if key in last and pd.notna(last[key]):
-            c.log_metric(run.run_id, f"final/{key}", float(last[key]))
+    now = int(time.time() * 1000)
+    final = [Metric(f"final/{key}", float(last[key]), now, 0) for key in keys if key in last and pd.notna(last[key])]
+    if final:
+        client(run.uri).log_batch(run.run_id, metrics=final)
 
 
 def log_picture(uri: str, run_id: str, picture, artifact_file: str) -> None:
