@@ -206,14 +206,9 @@ def finish_quietly(run: TrackingRun, stage_id: str) -> None:
 def log_evaluation(run: TrackingRun, summary: dict[str, float], table, grid=None) -> None:
     """The ``evaluate`` stage run: the summary (also on the workflow run), the per-prompt table and
     the base-over-tuned image grid when there is one."""
-    from mlflow.entities import Metric
-
     stage = stage_run(run, "evaluate")
     c = client(run.uri)
-    now = int(time.time() * 1000)
-    metrics = [Metric(key, float(value), now, 0) for key, value in summary.items()]
-    for run_id in (stage, run.run_id):
-        c.log_batch(run_id, metrics=metrics)
+    log_values(c, [stage, run.run_id], summary)
     c.log_table(stage, table, "eval/table.json")
     if grid is not None:
         log_picture(run.uri, stage, grid, "eval/grid_base_top_tuned_bottom.png")  # video: a GIF
@@ -234,13 +229,21 @@ def log_final_metrics(
 
     if not len(metrics):
         return
+    last = metrics.iloc[-1]
+    log_values(client(run.uri), [run.run_id],
+               {f"final/{key}": last[key] for key in keys if key in last and pd.notna(last[key])})
+
+
+def log_values(c, run_ids: list[str], values: dict[str, float]) -> None:
+    """``values`` as metrics at step 0 of each run in ``run_ids``: one ``log_batch`` per run."""
     from mlflow.entities import Metric
 
-    last = metrics.iloc[-1]
+    if not values:
+        return
     now = int(time.time() * 1000)
-    final = [Metric(f"final/{key}", float(last[key]), now, 0) for key in keys if key in last and pd.notna(last[key])]
-    if final:
-        client(run.uri).log_batch(run.run_id, metrics=final)
+    metrics = [Metric(key, float(value), now, 0) for key, value in values.items()]
+    for run_id in run_ids:
+        c.log_batch(run_id, metrics=metrics)
 
 
 def log_picture(uri: str, run_id: str, picture, artifact_file: str) -> None:
