@@ -6,14 +6,16 @@ and when the process is told to stop, e.g. by ``timeout``; a re-run with the sam
 1. the VAE: scenes of the training prompts (``data_shapes.world_splits``; held-out prompts are never
    drawn), reconstruction MSE plus a small KL term, so that ``decode(encode(x))`` reproduces them;
    then the latents' mean and std become the VAE's ``shift_factor`` and ``1 / scaling_factor``;
-2. the transformer by rectified-flow matching (SD3's objective: ``x_t = (1 - s) x_0 + s e``, target
-   ``e - x_0``, ``s`` logit-normal) on a bank of encoded scenes, conditioned on the frozen text
-   encoders' embeddings of each scene's prompt (10 % of them replaced by the empty prompt's, so that
-   classifier-free guidance works).
+2. the transformer and the three text encoders together by rectified-flow matching (SD3's
+   objective: ``x_t = (1 - s) x_0 + s e``, target ``e - x_0``, ``s`` logit-normal) on a bank of
+   encoded scenes, conditioned on the text encoders' embeddings of each scene's prompt (10 % of them
+   replaced by the empty prompt's, so that classifier-free guidance works); an exponential moving
+   average of their weights (``--ema``) is what is exported.
 
 ``curves.jsonl`` gets one line per ``--log-every`` steps (stage, step, mean loss, wall seconds),
 ``summary.json`` the wall time and final losses, ``--out`` the weights (safetensors; by default the
-file this package ships, ``models/tiny_sd3_shapes.safetensors``).
+file this package ships, ``models/tiny_sd3_shapes.safetensors``; the metadata holds the VAE's latent
+shift and scale and ``--scheduler-shift``).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import torch
 
 from diffusionrl.data_shapes import DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, scene_pairs, world_splits
 
-from .tiny_shapes import MAX_SEQUENCE_LENGTH, SHAPES_WEIGHTS, TRAINED, build_shapes_pipeline
+from .tiny_shapes import MAX_SEQUENCE_LENGTH, SCHEDULER_SHIFT, SHAPES_WEIGHTS, TRAINED, build_shapes_pipeline
 
 log = logging.getLogger("diffusionrl.pretrain")
 
 
-TRANSFORMER_ARGS = ("lr", "bank", "cfg_dropout")
+TRANSFORMER_ARGS = ("lr", "bank", "cfg_dropout", "ema")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class Stop(Exception):
@@ -62,9 +65,12 @@ class Pretrainer:
         torch.manual_seed(args.seed)
         self.pipe = build_shapes_pipeline(weights=None)
         self.vae, self.transformer = self.pipe.vae, self.pipe.transformer
+        # the flow-matching stage trains the transformer and the text encoders as one module list
+        self.denoiser = torch.nn.ModuleList([self.transformer, *(getattr(self.pipe, n) for n in TEXT_ENCODERS)])
+        self.ema = [p.detach().clone() for p in self.denoiser.parameters()]
         self.train_rows, _ = world_splits(args.test_fraction, args.split_seed)
         self.vae_opt = torch.optim.AdamW(self.vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
-        self.tr_opt = torch.optim.AdamW(self.transformer.parameters(), lr=args.lr, weight_decay=0.0)
+        self.tr_opt = torch.optim.AdamW(self.denoiser.parameters(), lr=args.lr, weight_decay=0.0)
         self.state = {"vae_step": 0, "tr_step": 0, "wall_s": 0.0, "stats": None}
         self.stop = False
         self.t0 = time.perf_counter()
@@ -86,23 +92,24 @@ class Pretrainer:
         self.vae.load_state_dict(saved["vae"])
         self.vae_opt.load_state_dict(saved["vae_opt"])
         self.state = saved["state"]
-        if self.state["tr_step"]:  # before its stage starts the transformer is the code's seeded init
-            self.transformer.load_state_dict(saved["transformer"])
+        if self.state["tr_step"]:  # before its stage starts the denoiser is the code's seeded init
+            self.denoiser.load_state_dict(saved["denoiser"])
             self.tr_opt.load_state_dict(saved["tr_opt"])
+            self.ema = saved["ema"]
         log.warning("resumed %s at VAE step %d, transformer step %d", path, self.state["vae_step"],
                     self.state["tr_step"])
 
     def _fixed_args(self) -> dict:
         a = vars(self.args)
         return {k: a[k] for k in ("seed", "batch", "resolution", "vae_lr", "lr", "test_fraction", "split_seed",
-                                  "bank", "kl_weight", "cfg_dropout")}
+                                  "bank", "kl_weight", "cfg_dropout", "ema")}
 
     def save(self) -> None:
         self.state["wall_s"] += time.perf_counter() - self.t0
         self.t0 = time.perf_counter()
         tmp = self.work / "state.pt.tmp"
         torch.save({"args": self._fixed_args(), "vae": self.vae.state_dict(),
-                    "transformer": self.transformer.state_dict(), "vae_opt": self.vae_opt.state_dict(),
+                    "denoiser": self.denoiser.state_dict(), "ema": self.ema, "vae_opt": self.vae_opt.state_dict(),
                     "tr_opt": self.tr_opt.state_dict(), "state": self.state}, tmp)
         os.replace(tmp, self.work / "state.pt")
 
@@ -170,12 +177,8 @@ class Pretrainer:
         self.vae.register_to_config(**stats)
         latents = (raw - stats["shift_factor"]) * stats["scaling_factor"]
         unique = sorted(set(prompts)) + [""]
-        with torch.no_grad():
-            embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=unique, prompt_2=None, prompt_3=None, device="cpu", num_images_per_prompt=1,
-                do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH)
         index = torch.tensor([unique.index(p) for p in prompts])
-        self.transformer.train().requires_grad_(True)
+        self.denoiser.train().requires_grad_(True)
         losses: list[float] = []
         for step in range(self.state["tr_step"], a.transformer_steps):
             gen = torch.Generator().manual_seed(a.seed * 1_000_003 + 500_000 + step)
@@ -188,27 +191,40 @@ class Pretrainer:
             xt = (1 - sigma) * x0 + sigma * noise
             for g in self.tr_opt.param_groups:
                 g["lr"] = _lr(step, a.lr, 100, a.transformer_steps)
+            # every prompt of the bank is encoded each step (the encoders are tiny), with gradients
+            embeds, _, pooled, _ = self.pipe.encode_prompt(
+                prompt=unique, prompt_2=None, prompt_3=None, device="cpu", num_images_per_prompt=1,
+                do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH)
             v = self.transformer(hidden_states=xt, timestep=sigma.view(-1) * 1000, encoder_hidden_states=embeds[cond],
                                  pooled_projections=pooled[cond], return_dict=False)[0]
             loss = torch.nn.functional.mse_loss(v, noise - x0)
             self.tr_opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.transformer.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(self.denoiser.parameters(), 1.0)
             self.tr_opt.step()
+            decay = min(a.ema, (1 + step) / (10 + step))
+            with torch.no_grad():
+                torch._foreach_lerp_(self.ema, [p.detach() for p in self.denoiser.parameters()], 1 - decay)
             losses.append(loss.item())
             self.state["tr_step"] = step + 1
             self.state.setdefault("tr_losses", []).append(loss.item())
             self._tick("transformer", step, losses)
-        self.transformer.eval().requires_grad_(False)
+        self.denoiser.eval().requires_grad_(False)
 
     def export(self, out: Path) -> dict:
         from safetensors.torch import save_file
 
-        tensors = {f"{name}.{k}": v.detach().contiguous().clone()
-                   for name in TRAINED for k, v in getattr(self.pipe, name).state_dict().items()}
+        self.save()  # the training weights, before the EMA takes their place in the export
+        ema = dict(zip((id(p) for p in self.denoiser.parameters()), self.ema)) if self.state["tr_step"] else {}
+        tensors = {}
+        for name in TRAINED:
+            module = getattr(self.pipe, name)
+            params = dict(module.named_parameters(remove_duplicate=False))
+            for k, v in module.state_dict().items():  # the EMA weights are the model
+                tensors[f"{name}.{k}"] = ema.get(id(params.get(k)), v).detach().contiguous().clone()
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out), metadata={"diffusionrl": json.dumps(self.state["stats"], sort_keys=True)})
-        self.save()
+        meta = {**self.state["stats"], "scheduler_shift": self.args.scheduler_shift}
+        save_file(tensors, str(out), metadata={"diffusionrl": json.dumps(meta, sort_keys=True)})
         tail = self.args.log_every
         summary = {
             "wall_s": round(self.state["wall_s"], 1), "vae_steps": self.state["vae_step"],
@@ -228,14 +244,17 @@ def parse_args(argv=None):
     ap.add_argument("--work", default="runs/pretrain-shapes", help="state, curves and summary (resumed if present)")
     ap.add_argument("--out", default=str(SHAPES_WEIGHTS), help="where the weights go (safetensors)")
     ap.add_argument("--vae-steps", type=int, default=1500)
-    ap.add_argument("--transformer-steps", type=int, default=3000)
+    ap.add_argument("--transformer-steps", type=int, default=7000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--resolution", type=int, default=64)
     ap.add_argument("--vae-lr", type=float, default=1e-3)
     ap.add_argument("--lr", type=float, default=1e-3, help="transformer learning rate")
     ap.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the per-element VAE KL term")
     ap.add_argument("--cfg-dropout", type=float, default=0.1, help="share of empty-prompt conditioning")
-    ap.add_argument("--bank", type=int, default=4096, help="encoded scenes the transformer trains on")
+    ap.add_argument("--bank", type=int, default=8192, help="encoded scenes the transformer trains on")
+    ap.add_argument("--ema", type=float, default=0.999, help="EMA decay of the exported transformer and text encoders")
+    ap.add_argument("--scheduler-shift", type=float, default=SCHEDULER_SHIFT,
+                    help="the sampling schedule's sigma shift, stored with the weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--test-fraction", type=float, default=DEFAULT_TEST_FRACTION, help="the held-out split to avoid")
     ap.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT_SEED)
