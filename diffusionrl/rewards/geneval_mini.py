@@ -1,20 +1,30 @@
-"""``geneval_mini``: GenEval's object checks on the shapes world (``diffusionrl.data_shapes``).
+"""``geneval_mini``: a strict GenEval judge of the shapes world (``diffusionrl.data_shapes``).
 
-A detector made of OpenCV image processing instead of GenEval's Mask2Former + CLIP: pixels are
-classified by colour in HSV (saturated pixels, hue nearest to one of the world's colours; the white
-background has no saturation), each colour's connected components above a minimum area are the
-objects (``cv2.connectedComponentsWithStats``), and an object's shape is read from its outer contour
-(``cv2.findContours``): the contour's area over its bounding box's (a square fills it, a circle about
-pi/4, a triangle about half) together with the vertex count of ``cv2.approxPolyDP``.
+A detector made of OpenCV image processing instead of GenEval's Mask2Former + CLIP. Pixels are
+classified by colour in HSV: saturated pixels whose hue is near one of the world's four colours
+belong to that colour; saturated pixels near none of them are *off-colour*. Each colour's connected
+components above a minimum area are the objects (``cv2.connectedComponentsWithStats``); each
+off-colour component is a shapeless object. An object's shape is the ideal shape that overlaps its
+mask best (IoU with an upright square, a circle and an upright triangle fitted to its bounding box,
+the shapes the world draws); when none overlaps by at least ``MIN_SHAPE_IOU``, or its box is far
+from square, it is a *blob*: no shape at all.
 
-Each image is then judged against its prompt's spec (the row's ``spec`` field) as GenEval does:
-every asked object is present as often as asked (exactly, for the counting category), with the
-asked colour, and the asked relation holds between some pair of them (``data_shapes.relations``,
-GenEval's ``relative_position``). ``judge`` gives the per-image ``success`` in {0, 1} and a
-partial-credit ``score`` in [0, 1] (the mean over the spec's clauses, each in [0, 1]; 1 exactly
-when ``success``), which is the reward. The batch's success rate is logged as ``accuracy`` and the
-per-image successes are returned in ``RewardResult.per_sample["success"]`` (the evaluation's
-per-category table).
+Each image is then judged strictly against its prompt's spec (the row's ``spec`` field):
+``success`` when the image holds **exactly** the asked objects -- every asked shape as often as
+asked, in the asked colour where one is asked, no other object, no blob -- and the asked relation
+(GenEval's ``relative_position``, ``data_shapes.relations``) holds between the matched objects.
+The partial-credit ``score`` in [0, 1] is what the reward returns: asked objects and detections are
+matched one to one (``scipy.optimize.linear_sum_assignment``; a match is worth 1 when shape and
+colour are right, 1/2 when the shape is right and an asked colour is not), and
+
+    score = matched / (asked + detected - matched)       (a Jaccard index over objects)
+
+halved when an asked relation does not hold between the matched objects. Every extra object, blob
+or off-colour smudge enlarges the denominator, so a sheet of blobs scores about 0 whatever the
+prompt, an empty picture scores 0, and a fixed picture scores 1 only on the prompts it happens to
+satisfy exactly. ``score == 1`` exactly when ``success``. The batch's success rate is logged as
+``accuracy``; per image, ``RewardResult.per_sample`` carries ``success`` (the evaluation's
+per-category table), ``objects`` (detections per image) and ``blobs`` (shapeless ones among them).
 """
 
 from __future__ import annotations
@@ -33,37 +43,59 @@ _HUES = {"red": 0.0, "yellow": 27.0, "green": 65.0, "blue": 117.0}  # OpenCV hue
 assert set(_HUES) == set(COLORS)
 MIN_SATURATION = 90
 MIN_VALUE = 60
+MAX_HUE_DISTANCE = 14.0  # farther than this from every world colour: an off-colour pixel
 MIN_AREA_FRACTION = 0.004  # components smaller than this share of the image are noise
+MIN_SHAPE_IOU = 0.72  # a component overlapping no ideal shape this well is a blob
+MAX_ASPECT = 1.45  # the world's shapes have near-square boxes (a triangle's is 1 : 0.9)
+BLOB = "blob"
+OFF_COLOUR = "other"
 
 
 @dataclass
 class Detection:
-    shape: str
-    color: str
+    shape: str  # circle, square, triangle or "blob"
+    color: str  # one of COLORS, or "other"
     box: tuple[int, int, int, int]  # x0, y0, x1, y1
     area: int
 
 
-def _shape_of(mask: np.ndarray) -> str:
+def _templates(w: int, h: int) -> dict[str, np.ndarray]:
+    """Ideal masks of the world's shapes filling a ``w x h`` box (as ``data_shapes._draw`` draws them)."""
     import cv2
 
-    contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_NONE)
-    contour = max(contours, key=cv2.contourArea)
-    area = float(mask.sum())
-    x, y, w, h = cv2.boundingRect(contour)
-    extent = area / float(w * h)
-    vertices = len(cv2.approxPolyDP(contour, 0.06 * cv2.arcLength(contour, True), True))
-    if extent < 0.66 or vertices == 3:
-        return "triangle"
-    if extent > 0.86 and vertices == 4:
-        return "square"
-    if extent > 0.9:
-        return "square"
-    return "circle"
+    y, x = np.mgrid[0:h, 0:w]
+    circle = (((x - (w - 1) / 2) / (w / 2)) ** 2 + ((y - (h - 1) / 2) / (h / 2)) ** 2 <= 1).astype(np.uint8)
+    triangle = np.zeros((h, w), np.uint8)
+    pts = np.array([[(w - 1) / 2, 0], [w - 1, h - 1], [0, h - 1]], np.float32)
+    cv2.fillPoly(triangle, [np.round(pts).astype(np.int32)], 1)
+    return {"square": np.ones((h, w), np.uint8), "circle": circle, "triangle": triangle}
+
+
+def shape_fit(mask: np.ndarray) -> tuple[str, float]:
+    """(best ideal shape, its IoU with ``mask``): the mask cropped to its box against each template."""
+    ys, xs = np.nonzero(mask)
+    crop = mask[ys.min(): ys.max() + 1, xs.min(): xs.max() + 1].astype(bool)
+    h, w = crop.shape
+    best, best_iou = BLOB, 0.0
+    for name, template in _templates(w, h).items():
+        t = template.astype(bool)
+        iou = float((crop & t).sum()) / float((crop | t).sum())
+        if iou > best_iou:
+            best, best_iou = name, iou
+    return best, best_iou
+
+
+def _shape_of(mask: np.ndarray) -> str:
+    ys, xs = np.nonzero(mask)
+    h, w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+    if max(h, w) > MAX_ASPECT * min(h, w):
+        return BLOB
+    shape, iou = shape_fit(mask)
+    return shape if iou >= MIN_SHAPE_IOU else BLOB
 
 
 def detect(image: np.ndarray) -> list[Detection]:
-    """The coloured objects of a uint8 ``[H, W, 3]`` RGB image."""
+    """The coloured objects of a uint8 ``[H, W, 3]`` RGB image (off-colour ones are blobs)."""
     import cv2
 
     image = np.ascontiguousarray(image, dtype=np.uint8)
@@ -71,13 +103,12 @@ def detect(image: np.ndarray) -> list[Detection]:
         raise ValueError(f"expected a uint8 [H, W, 3] image, got {image.shape}")
     hsv = cv2.cvtColor(image, cv2.COLOR_RGB2HSV)
     hue, sat, val = hsv[..., 0].astype(np.float32), hsv[..., 1], hsv[..., 2]
-    names = list(_HUES)
     distance = np.stack([np.minimum(np.abs(hue - h), 180 - np.abs(hue - h)) for h in _HUES.values()])
-    label = distance.argmin(0)
+    label = np.where(distance.min(0) <= MAX_HUE_DISTANCE, distance.argmin(0), len(_HUES))
     foreground = (sat >= MIN_SATURATION) & (val >= MIN_VALUE)
     min_area = MIN_AREA_FRACTION * image.shape[0] * image.shape[1]
     found = []
-    for k, name in enumerate(names):
+    for k, name in enumerate([*_HUES, OFF_COLOUR]):
         mask = (foreground & (label == k)).astype(np.uint8)
         mask = cv2.morphologyEx(mask, cv2.MORPH_OPEN, np.ones((2, 2), np.uint8))
         count, components, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)
@@ -85,7 +116,7 @@ def detect(image: np.ndarray) -> list[Detection]:
             x, y, w, h, area = (int(v) for v in stats[c])
             if area < min_area:
                 continue
-            shape = _shape_of((components == c).astype(np.uint8))
+            shape = BLOB if name == OFF_COLOUR else _shape_of((components == c).astype(np.uint8))
             found.append(Detection(shape, name, (x, y, x + w, y + h), area))
     return found
 
@@ -99,35 +130,44 @@ def parse_spec(meta: dict) -> dict:
     return spec
 
 
+def _worth(asked: dict, found: Detection) -> float:
+    if found.shape != asked["shape"]:
+        return 0.0
+    return 1.0 if asked["color"] in (None, found.color) else 0.5
+
+
+def match(spec: dict, found: list[Detection]) -> tuple[float, list[tuple[int, Detection]]]:
+    """The best one-to-one matching of the asked objects (each ``count`` times) to ``found``:
+    (its worth, the matched pairs ``(asked object index, detection)`` of worth > 0)."""
+    from scipy.optimize import linear_sum_assignment
+
+    asked = [i for i, o in enumerate(spec["objects"]) for _ in range(o["count"])]
+    if not asked or not found:
+        return 0.0, []
+    worth = np.array([[_worth(spec["objects"][i], d) for d in found] for i in asked])
+    rows, cols = linear_sum_assignment(worth, maximize=True)
+    pairs = [(asked[r], found[c]) for r, c in zip(rows, cols) if worth[r, c] > 0]
+    return float(worth[rows, cols].sum()), pairs
+
+
 def judge(image: np.ndarray, spec: dict, detections: list[Detection] | None = None) -> tuple[bool, float]:
     """``(success, score)`` of ``image`` against ``spec`` (see the module docstring)."""
     found = detect(image) if detections is None else detections
-    exact = spec["category"] == "counting"
-    clauses: list[float] = []
-    matches: list[list[Detection]] = []  # per asked object: the detections that may be it
-    for o in spec["objects"]:
-        same_shape = [d for d in found if d.shape == o["shape"]]
-        n = len(same_shape)
-        clauses.append(min(n, o["count"]) / o["count"])
-        if exact:
-            clauses.append(1.0 if n == o["count"] else max(0.0, 1 - abs(n - o["count"]) / o["count"]) * 0.5)
-        if o["color"]:
-            right = [d for d in same_shape if d.color == o["color"]]
-            clauses.append(min(len(right), o["count"]) / o["count"])
-            same_shape = right
-        matches.append(same_shape)
+    n_asked = sum(o["count"] for o in spec["objects"])
+    matched, pairs = match(spec, found)
+    score = matched / (n_asked + len(found) - matched) if n_asked + len(found) else 0.0
     rel = spec.get("relation")
     if rel:
-        ok = any(rel["rel"] in relations(a.box, b.box) for a in matches[rel["a"]] for b in matches[rel["b"]]
-                 if a is not b)
-        clauses.append(1.0 if ok else 0.0)
-    score = float(np.mean(clauses))
-    return score >= 1.0 - 1e-9, score
+        a = [d for i, d in pairs if i == rel["a"]]
+        b = [d for i, d in pairs if i == rel["b"]]
+        if not any(rel["rel"] in relations(p.box, q.box) for p in a for q in b):
+            score *= 0.5
+    return score >= 1.0 - 1e-9, float(score)
 
 
 @register_reward("geneval_mini")
 class GenEvalMini(Reward):
-    """Partial-credit score of each image against its prompt's shapes-world spec (success: all of it)."""
+    """Strict partial-credit score of each image against its prompt's shapes-world spec."""
 
     name = "geneval_mini"
 
@@ -146,14 +186,21 @@ class GenEvalMini(Reward):
                                  f"(data.source=builtin:shapes): {exc} ({prompts[i][:60]!r})") from exc
 
     def __call__(self, images, prompts, metadata) -> RewardResult:
-        scores = np.zeros(len(prompts), np.float32)
-        success = np.zeros(len(prompts), np.float32)
+        n = len(prompts)
+        scores, success = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        objects, blobs = np.zeros(n, np.float32), np.zeros(n, np.float32)
         failures = 0
         for i, (image, meta) in enumerate(zip(images, metadata)):
             try:
-                ok, scores[i] = judge(image, parse_spec(meta))
+                found = detect(image)
+                ok, scores[i] = judge(image, parse_spec(meta), found)
                 success[i] = float(ok)
+                objects[i] = len(found)
+                blobs[i] = sum(d.shape == BLOB for d in found)
             except Exception:  # a sample that cannot be judged scores 0 and is counted
                 failures += 1
-        accuracy = float(success.mean()) if len(success) else 0.0
-        return RewardResult(scores, failures, {"accuracy": accuracy}, per_sample={"success": success})
+        info = {"accuracy": float(success.mean()) if n else 0.0,
+                "objects_per_image": float(objects.mean()) if n else 0.0,
+                "blobs_per_image": float(blobs.mean()) if n else 0.0}
+        return RewardResult(scores, failures, info,
+                            per_sample={"success": success, "objects": objects, "blobs": blobs})
