@@ -204,6 +204,31 @@ def test_dpo_pairs_share_timestep_and_noise_and_start_at_log_2(dpo, monkeypatch)
     torch.testing.assert_close(noise[:p], noise[p:], rtol=1e-4, atol=1e-4)  # shared noise
 
 
+def test_dpo_preset_beta_keeps_the_margin_out_of_saturation_after_an_adam_step(dpo):
+    """An Adam step moves each pair's (err_w - ref_w) - (err_l - ref_l) by an amount set by lr, not by beta
+    (Adam normalises the gradient): the preset's beta keeps beta/2 times it in the sigmoid's linear range,
+    where Diffusion-DPO's 5000 at the same lr saturates it after one step (algorithms/dpo.py)."""
+    loop, traj, active = dpo
+    objective, trainer, policy = loop.backend.worker.objective, loop.backend.worker.trainer, loop.backend.worker.policy
+    beta, lr = objective.cfg.algorithm.dpo_beta, objective.cfg.train.learning_rate
+    assert beta * lr <= 0.1
+    start = policy.lora_state()
+    try:
+        assert trainer.apply(_units(loop, traj, active, 4), UpdateStats())
+        diffs = []
+        with torch.no_grad():
+            for chunk in objective.chunks(objective.pairs(traj, active), 4):
+                plan = [objective.slots(traj, (w, lo), 0, 0) for w, lo in chunk.tolist()]
+                for slot in range(traj.num_steps - 1):
+                    err_w, err_l, ref_w, ref_l = objective.errors(traj, chunk, plan, slot, 0, 0)
+                    diffs.append(((err_w - ref_w) - (err_l - ref_l)).abs())
+        step = float(torch.cat(diffs).max())
+        assert beta / 2 * step < 1.0  # the preset: linear range
+        assert 5000.0 / 2 * step > 5.0  # Diffusion-DPO's beta: saturated
+    finally:
+        policy.load_lora_state(start)
+
+
 @pytest.mark.parametrize("preset", ["tiny-cpu-awm", "tiny-cpu-dpo"])
 def test_preset_trains_two_steps_and_another_objective_cannot_resume_it(preset, tmp_path):
     result = train(tiny_config(preset=preset), tmp_path, resume=None)

@@ -17,6 +17,15 @@ reference (LoRA disabled):
 Diffusion-DPO's loss with the flow-matching error in place of the epsilon error. While the policy
 is the reference (the LoRA starts at B = 0) ``inside = 0`` and ``loss = log 2``. The trainer sums
 these per-pair values over the pairs of a step and divides once by their count (section 6).
+
+The scale of beta: an Adam step moves a pair's ``(err_w - err_ref_w) - (err_l - err_ref_l)`` by an
+amount set by the learning rate ``lr`` and the model, not by beta (Adam normalises the gradient):
+~0.01 on tiny-cpu at 64 px and lr 1e-2, so ``|inside|`` grows by ~``beta * lr / 2`` a step. Past
+``|inside|`` ~ 3 the sigmoid saturates: on fresh online pairs the margin is then the sign of the
+policy's drift from the reference, not of the preference, and the update undoes that drift instead
+of learning the reward. Diffusion-DPO's beta = 5000 goes with a full fine-tune at lr 1e-8 x its
+batch of 2048 (~2e-5): ``beta * lr`` ~ 0.1. Keep it <~ 0.1 here too (tiny-cpu-dpo: beta 5 at lr
+1e-2; 5000 there is 50 and learns nothing).
 """
 
 from __future__ import annotations
