@@ -1,21 +1,26 @@
 """GenEval in miniature: does RL make ``builtin:tiny-sd3-shapes`` draw what it is told?
 
-Trains the ``tiny-cpu-shapes`` preset (Flow-GRPO + the ``geneval_mini`` reward on ``builtin:shapes``)
-for ``--steps`` steps or until ``--budget-s`` seconds of training are spent, then evaluates the base
-model and the tuned LoRA on every held-out prompt, ``--eval-repeats`` seeds each (ODE sampling, the
-same seeds for both), and prints one JSON line: base and tuned accuracy overall and per category
-(GenEval's success rate), the gain, the training steps and wall time, the training reward and
-accuracy per step (one progress line per step goes to stderr). With ``--compare flow_grpo,nft,...``
-each objective runs on the same budget with its own preset's change set (``tiny-cpu-<name>``, as
-bench/learning.py) laid under the shapes task, and the result is {"flow_grpo": {...}, "nft": {...}}.
+Trains the ``tiny-cpu-shapes`` preset (the demo: the strict ``geneval_mini`` judge on ``builtin:shapes``)
+for ``--steps`` steps or until ``--budget-s`` seconds of training are spent (held-out probes included,
+as in any run), then evaluates the base model and the tuned LoRA on every held-out prompt,
+``--eval-repeats`` seeds each (ODE sampling, the same seeds for both), and prints one JSON line: base
+and tuned strict success overall and per category, objects and shapeless blobs per image, the
+diversity (mean distance between images of different prompts, ``heldout.diversity``), the
+reward-hacking alarms of the run, the training steps and wall time, the training reward per step
+and the held-out probes (one progress line per step goes to stderr). With ``--compare
+flow_grpo,nft,...`` each objective runs on the same budget with its own preset's change set
+(``tiny-cpu-<name>``, as bench/learning.py) laid under the shapes task; with ``--seeds 0,1,2`` each
+runs once per training seed (``train.seed``), and each objective's entry holds every seed's result
+and the mean and spread of the gain.
 
     python bench/geneval_mini.py [--steps N] [--budget-s S] [--eval-repeats K] [--compare a,b,...]
-                                 [--set key=value ...]
+                                 [--seeds 0,1,...] [--set key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +32,7 @@ from diffusionrl.config_objectives import ALGORITHMS
 from diffusionrl.configtree import apply_overrides
 from diffusionrl.data import load_prompts
 from diffusionrl.evaluation import evaluate_lora
+from diffusionrl.heldout import hacking_alarms
 from diffusionrl.presets import TINY_CPU_SHAPES, preset_changes
 from diffusionrl.report import category_table
 from diffusionrl.train import build_loop
@@ -53,9 +59,13 @@ def accuracy(table) -> dict:
     return {side: {c: round(float(per.loc[c, side]), 4) for c in per.index} for side in ("base", "tuned")}
 
 
-def run(name: str | None, steps: int | None, budget_s: float | None, repeats: int, overrides: list[str]) -> dict:
-    cfg = shapes_config(name, overrides + ([f"train.steps={steps}"] if steps else []))
+def run(name: str | None, steps: int | None, budget_s: float | None, repeats: int, overrides: list[str],
+        seed: int | None = None) -> dict:
+    extra = [f"eval.seeds_per_prompt={repeats}"] + ([f"train.steps={steps}"] if steps else [])
+    extra += [f"train.seed={seed}"] if seed is not None else []
+    cfg = shapes_config(name, overrides + extra)
     test = load_prompts(cfg.data).test
+    label = f"{name or cfg.algorithm.name} seed {cfg.train.seed}"
     with tempfile.TemporaryDirectory() as tmp:
         loop = build_loop(cfg, tmp, progress=False)
         loop.backend.push_weights(0)
@@ -63,23 +73,37 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         while loop.step < cfg.train.steps and not (budget_s is not None and time.perf_counter() - t0 >= budget_s):
             loop.run_step(loop.step)
             m = loop.history[-1]
-            train_acc = m.get("rollout/reward/geneval_mini_accuracy", float("nan"))
-            print(f"{name or 'flow_grpo'} step {loop.step}: reward {m['rollout/reward/raw_mean']:.3f} accuracy "
-                  f"{train_acc:.3f} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            probe = (f", held-out {m['heldout/reward_mean']:.3f} success {m.get('heldout/geneval_mini_success', 0):.3f}"
+                     f" diversity {m['heldout/diversity']:.3f}" if "heldout/reward_mean" in m else "")
+            print(f"{label} step {loop.step}: reward {m['rollout/reward/raw_mean']:.3f} success "
+                  f"{m.get('rollout/reward/geneval_mini_accuracy', float('nan')):.3f}{probe} at "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         wall = time.perf_counter() - t0
         lora_dir, _ = loop.backend.save_outputs(loop.step)
         loop.close()
         t1 = time.perf_counter()
-        result = evaluate_lora(cfg, [r for r in test for _ in range(repeats)], lora_dir)
+        result = evaluate_lora(cfg, test, lora_dir)
         eval_wall = time.perf_counter() - t1
     acc = accuracy(result.table)
+    table, summary = result.table, result.summary
+    per_image = {side: {"objects": round(float(table[f"{side}_geneval_mini_objects"].mean()), 3),
+                        "blobs": round(float(table[f"{side}_geneval_mini_blobs"].mean()), 3)}
+                 for side in ("base", "tuned")}
+    probes = [{"version": int(m["heldout/policy_version"]), "reward": round(m["heldout/reward_mean"], 4),
+               "success": round(m.get("heldout/geneval_mini_success", float("nan")), 4),
+               "diversity": round(m["heldout/diversity"], 4)} for m in loop.history if "heldout/reward_mean" in m]
     return {
         "objective": cfg.algorithm.name,
+        "seed": cfg.train.seed,
         "base_accuracy": acc["base"]["overall"],
         "tuned_accuracy": acc["tuned"]["overall"],
         "gain": round(acc["tuned"]["overall"] - acc["base"]["overall"], 4),
         "base": acc["base"],
         "tuned": acc["tuned"],
+        "objects_per_image": {s: v["objects"] for s, v in per_image.items()},
+        "blobs_per_image": {s: v["blobs"] for s, v in per_image.items()},
+        "diversity": {"base": round(summary["eval/base_diversity"], 4), "tuned": round(summary["eval/diversity"], 4)},
+        "alarms": [{"step": a.step, "reason": a.reason} for a in hacking_alarms(loop.history)],
         "held_out_prompts": len(test),
         "images_per_prompt": repeats,
         "steps": len(loop.history),
@@ -87,24 +111,44 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         "eval_wall_s": round(eval_wall, 1),
         "train_accuracy": [round(m.get("rollout/reward/geneval_mini_accuracy", float("nan")), 3) for m in loop.history],
         "train_reward": [round(m["rollout/reward/raw_mean"], 4) for m in loop.history],
+        "probes": probes,
     }
+
+
+def over_seeds(name: str | None, seeds: list[int], **kw) -> dict:
+    """One objective on every training seed: each run's result and the gain's mean, spread and minimum."""
+    runs = [run(name, seed=s, **kw) for s in seeds]
+    gains = [r["gain"] for r in runs]
+    return {"gain_mean": round(statistics.mean(gains), 4),
+            "gain_std": round(statistics.stdev(gains), 4) if len(gains) > 1 else 0.0,
+            "gain_min": min(gains), "tuned_mean": round(statistics.mean(r["tuned_accuracy"] for r in runs), 4),
+            "diversity_ratio_min": min(round(r["diversity"]["tuned"] / r["diversity"]["base"], 3) for r in runs),
+            "alarms": sum(len(r["alarms"]) for r in runs), "runs": runs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=None, help="default: the preset's train.steps")
-    ap.add_argument("--budget-s", type=float, default=None, help="training wall-time budget per objective")
+    ap.add_argument("--budget-s", type=float, default=None, help="training wall-time budget per run")
     ap.add_argument("--eval-repeats", type=int, default=4, help="evaluation seeds per held-out prompt")
     ap.add_argument("--compare", default=None, help="comma-separated objectives, e.g. flow_grpo,grpo_guard,dppo,"
                     "awm,dpo,nft")
+    ap.add_argument("--seeds", default=None, help="comma-separated training seeds (default: the preset's)")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
+    kw = {"steps": args.steps, "repeats": args.eval_repeats, "overrides": args.overrides}
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     if args.compare:
-        budget = args.budget_s if args.budget_s is not None else 600.0
+        kw["budget_s"] = args.budget_s if args.budget_s is not None else 600.0
         names = args.compare.split(",")
-        _common.emit({a: run(a, args.steps, budget, args.eval_repeats, args.overrides) for a in names})
+        if seeds:
+            _common.emit({a: over_seeds(a, seeds, **kw) for a in names})
+        else:
+            _common.emit({a: run(a, **kw) for a in names})
+    elif seeds:
+        _common.emit(over_seeds(None, seeds, budget_s=args.budget_s, **kw))
     else:
-        _common.emit(run(None, args.steps, args.budget_s, args.eval_repeats, args.overrides))
+        _common.emit(run(None, budget_s=args.budget_s, **kw))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ class Callback:
     Subclass and override what you need; every method is a no-op here. ``batch`` is what the step
     rolled out (a ``Trajectory`` for images, a ``TraceBatch`` for text)."""
 
+    def on_metrics(self, loop: Any, step: int, metrics: dict[str, float]) -> None:
+        """Before the step's metrics are written (``loop.history`` ends with them): may add keys."""
+
     def on_step(self, loop: Any, step: int, batch: Any, metrics: dict[str, float]) -> None:
         pass
 

@@ -2,8 +2,8 @@
 
 Layout of a checkpoint folder ``step-000012/``::
 
-    state.json             step, policy version, metadata, the run's config, optimizer hyper-parameters,
-                           RNG states
+    state.json             step, policy version, metadata, the run's config and input digests,
+                           optimizer hyper-parameters, RNG states
     lora.safetensors       trainable LoRA tensors (policy ``named_parameters`` names)
     optimizer.safetensors  per-parameter optimizer state ("<index>.<key>")
     extra.safetensors      EMA / old-policy tensors ("ema.<name>", "old.<name>") and torch RNG states
@@ -37,7 +37,8 @@ from diffusionrl.errors import UserError
 from diffusionrl.manifest import CheckpointDamaged, verify_checkpoint, write_manifest
 
 __all__ = ["CheckpointDamaged", "CheckpointMismatch", "CheckpointState", "ConfigChanged", "config_changes",
-           "load_checkpoint", "load_latest", "latest_checkpoint", "list_checkpoints", "save_checkpoint"]
+           "input_changes", "load_checkpoint", "load_latest", "latest_checkpoint", "list_checkpoints",
+           "save_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class CheckpointState:
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # "ema", "old", ...
     extra: dict[str, Any] = field(default_factory=dict)  # JSON-able loop state (data cursor, ...)
     config: dict[str, Any] = field(default_factory=dict)  # the run's config (``Config.to_dict()``)
+    # digests of the data behind the config's paths (``{"prompts": ..., "init_lora": ...}``)
+    inputs: dict[str, str] = field(default_factory=dict)
 
 
 def _optimizer_split(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -137,6 +140,7 @@ def save_checkpoint(directory: str | Path, state: CheckpointState) -> Path:
         "policy_version": state.policy_version,
         "metadata": state.metadata,
         "config": state.config,
+        "inputs": state.inputs,
         "optimizer": opt_meta,
         "scaler": state.scaler,
         "rng": rng_meta,
@@ -163,8 +167,11 @@ def load_checkpoint(directory: str | Path, restore_rng: bool = True, verify: boo
     (``CheckpointDamaged`` names the damaged file)."""
     directory = Path(directory)
     record_path = directory / "state.json"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a checkpoint (no such folder)")
     if not record_path.is_file() and not (directory / "manifest.json").is_file():
-        raise FileNotFoundError(f"{directory} is not a checkpoint (no state.json)")
+        # an empty or half-copied step-N/: damaged, so that load_latest falls back past it
+        raise CheckpointDamaged(directory, "no state.json and no manifest.json (empty, or not completely copied)")
     if verify:
         verify_checkpoint(directory)
     try:
@@ -195,6 +202,7 @@ def load_checkpoint(directory: str | Path, restore_rng: bool = True, verify: boo
         tensors=groups,
         extra=record.get("extra", {}),
         config=record.get("config", {}),
+        inputs=record.get("inputs", {}),
     )
 
 
@@ -230,6 +238,15 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any], free: tuple[s
     a, b = (flat_config(json.loads(json.dumps(c))) for c in (saved, current))
     return {k: {"old": a[k], "new": b[k]} for k in sorted(set(a) & set(b))
             if a[k] != b[k] and not any(fnmatch.fnmatchcase(k, p) for p in free)}
+
+
+def input_changes(saved: dict[str, str], current: dict[str, str]) -> dict[str, dict]:
+    """``{"inputs.<name>": {"old", "new"}}`` for every input (prompts, SFT pairs, initial LoRA) both
+    sides recorded whose digest differs: the data behind an unchanged path changed. An input only
+    one side has (a checkpoint from before digests were recorded, an input added by a config
+    change, which ``config_changes`` reports) is not compared."""
+    return {f"inputs.{k}": {"old": saved[k], "new": current[k]} for k in sorted(set(saved) & set(current))
+            if saved[k] != current[k]}
 
 
 def with_hyperparameters(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,11 @@ class ObjectiveOptions:
         "x", "Flow-DPPO trust-region divergence: x = exact KL of the step Gaussians (mean over elements) | "
         "v = mean |v - v_old|^2"
     )
-    dpo_beta: float = option(5000.0, "Online Diffusion-DPO temperature beta (Diffusion-DPO's value)")
+    dpo_beta: float = option(
+        5000.0, "Online Diffusion-DPO temperature beta on the per-element-mean error (Diffusion-DPO's SD1.5 value, "
+        "with a full fine-tune at lr ~2e-5); the margin moves by ~beta/2 * lr per Adam step, so keep beta * "
+        "learning_rate <~ 0.1 or the sigmoid saturates after a step and nothing is learned (tiny-cpu-dpo: 5 at lr 1e-2)"
+    )
     dpo_pairs: str = option(
         "best_worst", "Online Diffusion-DPO pairs per prompt group: best_worst (highest vs lowest reward) | all "
         "(every positive-advantage sample vs every negative-advantage one)"
@@ -73,8 +77,23 @@ def resolved_kl_space(algorithm) -> str:
 
 
 def check_objective_fit(cfg) -> None:
-    """Checks that tie an objective to the sampling section (called by ``Config.__post_init__``)."""
+    """Checks that tie an objective to the sampling and train sections (called by ``Config.__post_init__``)."""
     name, sc = cfg.algorithm.name, cfg.sampling
+    tc = cfg.train
+    # Every objective but SFT learns from group advantages (algorithms.advantages; with group_size 1
+    # the batch is z-scored instead, docs/algorithms.md section 4): a batch of one sample has none,
+    # and DPO pairs samples of one prompt group, of which group_size 1 has no pair.
+    if name == "dpo" and tc.group_size < 2:
+        raise ConfigError(
+            f"algorithm.name=dpo pairs samples of the same prompt: train.group_size={tc.group_size} forms no "
+            "pair, so no step would update the weights; use train.group_size >= 2"
+        )
+    if name != "sft" and tc.prompts_per_step * tc.group_size < 2:
+        raise ConfigError(
+            f"algorithm.name={name} learns from advantages relative to other samples: a step of "
+            f"train.prompts_per_step * group_size = 1 sample has none (its advantage is 0), so no step would "
+            "update the weights; use train.group_size >= 2"
+        )
     if name == "grpo_guard" and sc.sde_type not in EXACT_SDE_TYPES:
         raise ConfigError(
             f"algorithm.name=grpo_guard needs rollouts with an exact Gaussian log-prob (sampling.sde_type "

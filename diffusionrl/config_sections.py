@@ -190,6 +190,13 @@ class TrainConfig:
     adam_beta2: float = option(0.999, "AdamW beta2")
     weight_decay: float = option(1e-4, "AdamW weight decay")
     max_grad_norm: float = option(1.0, "Gradient clipping norm (0 disables)")
+    max_idle_steps: int = option(
+        3, "Stop the run (one line, exit 2) after this many steps in a row without an optimizer step (every update "
+        "skipped as non-finite, or no sample with a learning signal), or at its end if it never made one; 0 never "
+        "stops (diffusionrl/training/guard.py)")
+    max_skipped_fraction: float = option(
+        0.2, "Stop the run when more than this share of its updates so far were skipped as non-finite (checked "
+        "from step 5); 1 never stops")
     mixed_precision: str = option("no", "Forward precision: no (fp32) | fp16 (with grad scaler) | bf16")
     ema: bool = option(False, "Keep an EMA of the LoRA weights for evaluation")
     ema_decay: float = option(0.9, "EMA decay")
@@ -220,6 +227,10 @@ class TrainConfig:
             check_positive("train", name, getattr(self, name))
         check_positive("train", "learning_rate", self.learning_rate)
         check_positive("train", "max_grad_norm", self.max_grad_norm, allow_zero=True)
+        check_positive("train", "max_idle_steps", self.max_idle_steps, allow_zero=True)
+        if not 0 < self.max_skipped_fraction <= 1:
+            raise ConfigError(f"train.max_skipped_fraction={self.max_skipped_fraction} must be in (0, 1] "
+                              "(1 never stops)")
         check_choice("train", "mixed_precision", self.mixed_precision, ("no", "fp16", "bf16"))
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
@@ -270,9 +281,22 @@ class EvalConfig:
     num_steps: int = option(20, "ODE denoising steps for evaluation")
     guidance_scale: float = option(4.5, "CFG scale for evaluation")
     num_prompts: int = option(8, "Held-out prompts evaluated (0 = all)")
+    seeds_per_prompt: int = option(1, "Samples per held-out prompt in the evaluation (seeds seed, seed + 1, ...)")
     seed: int = option(1234, "Seed of the evaluation noise (same for base and tuned)")
     use_ema: bool = option(True, "Evaluate the EMA weights when train.ema is on")
     champion_margin: float = option(0.0, "Registry: promote to champion only if better by more than this")
+    every: int = option(10, "Held-out probe every this many steps during training (0 = off): held-out reward and "
+                        "diversity, for the reward-hacking alarm (diffusionrl.heldout)")
+    probe_prompts: int = option(8, "Held-out prompts of each probe during training (0 = all), one seed each")
+
+    def __post_init__(self) -> None:
+        check_positive("eval", "num_steps", self.num_steps)
+        check_positive("eval", "seeds_per_prompt", self.seeds_per_prompt)
+        check_positive("eval", "num_prompts", self.num_prompts, allow_zero=True)
+        check_positive("eval", "probe_prompts", self.probe_prompts, allow_zero=True)
+        check_positive("eval", "every", self.every, allow_zero=True)
+        check_positive("eval", "champion_margin", self.champion_margin, allow_zero=True)
+        check_positive("eval", "guidance_scale", self.guidance_scale)
 
 
 @dataclass

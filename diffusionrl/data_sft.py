@@ -2,8 +2,9 @@
 
 Sources (``algorithm.sft_source``):
 - a folder of images with a ``prompts.jsonl`` (or the Hugging Face imagefolder ``metadata.jsonl``):
-  one JSON object per line naming the image (``image`` or ``file_name``, relative to the folder)
-  and its prompt (``prompt`` or ``text``);
+  one JSON object per line naming the image (``image`` or ``file_name``, relative to the folder,
+  and inside it once resolved: an absolute path or one that leaves the folder is refused) and its
+  prompt (``prompt`` or ``text``);
 - a ``.parquet`` file with a ``prompt`` (or ``text``) column and an ``image`` column of encoded
   image bytes (PNG/JPEG/WebP), or of ``{"bytes": ...}`` structs as Hugging Face datasets store them;
 - ``builtin:shapes`` (``builtin:shapes:N``): N seeded scenes of the shapes world (``diffusionrl.data_shapes``:
@@ -51,6 +52,20 @@ def _prompt_of(obj: dict, where: str) -> str:
     return prompt.strip()
 
 
+def image_path(folder: Path, name: str, where: str) -> Path:
+    """The file ``name`` of an index row, which must be a relative path that stays inside ``folder``
+    once resolved (``..`` and symbolic links included): an index can only name the dataset's own
+    images, never another file of the machine (``../../etc/x.png``, ``/home/...``)."""
+    if Path(name).is_absolute() or Path(name).drive:
+        raise PromptDataError(f"{where}: image {name!r} is an absolute path; name it relative to {folder}")
+    root = folder.resolve()
+    path = (root / name).resolve()
+    if not path.is_relative_to(root):
+        raise PromptDataError(f"{where}: image {name!r} resolves to {path}, outside the dataset folder {root}; "
+                              "keep the images inside the folder and name them relative to it")
+    return path
+
+
 def read_image_folder(folder: Path, resolution: int) -> list[dict[str, Any]]:
     """Images named by ``prompts.jsonl`` (or ``metadata.jsonl``) in ``folder``."""
     from PIL import Image
@@ -70,7 +85,7 @@ def read_image_folder(folder: Path, resolution: int) -> list[dict[str, Any]]:
         name = obj.get("image", obj.get("file_name")) if isinstance(obj, dict) else None
         if not isinstance(name, str):
             raise PromptDataError(f"{where}: no 'image' (or 'file_name') naming the image file")
-        path = (folder / name).resolve()
+        path = image_path(folder, name, where)
         if not path.is_file():
             raise PromptDataError(f"{where}: image {name!r} not found in {folder}")
         try:
@@ -104,20 +119,54 @@ def read_image_parquet(path: Path, resolution: int) -> list[dict[str, Any]]:
     return rows
 
 
-def load_image_pairs(source: str, resolution: int, seed: int = 0) -> list[dict[str, Any]]:
-    """The (prompt, image) rows of ``source`` (see the module docstring), images at ``resolution``."""
+BUILTIN_PAIRS = 256  # scenes of builtin:shapes without a count
+
+
+def builtin_count(source: str) -> int:
+    """N of ``builtin:shapes:N`` (``BUILTIN_PAIRS`` for ``builtin:shapes``); anything else one line."""
+    name, _, count = source[len("builtin:"):].partition(":")
+    if name != "shapes":
+        raise PromptDataError(f"algorithm.sft_source={source!r}: unknown built-in SFT source; the built-in one is "
+                              "builtin:shapes[:N]")
+    if not count:
+        return BUILTIN_PAIRS
+    if not count.isdigit() or int(count) < 1:
+        raise PromptDataError(f"algorithm.sft_source={source!r}: {count!r} is not a number of scenes; write "
+                              "builtin:shapes:N with N >= 1 (e.g. builtin:shapes:64), or builtin:shapes")
+    return int(count)
+
+
+def check_sft_source(source: str) -> None:
+    """What can be checked of ``source`` without reading its images (the workflow's first task and
+    the SFT loop call it): a built-in name that parses, a folder with its index, an existing
+    ``.parquet`` file. Each mistake is one ``PromptDataError`` naming ``algorithm.sft_source``."""
     if source.startswith("builtin:"):
-        name, _, count = source[len("builtin:"):].partition(":")
-        if name != "shapes":
-            raise PromptDataError(f"unknown SFT source {source!r}; the built-in one is builtin:shapes[:N]")
-        return shape_pairs(int(count or 256), resolution, seed)
+        builtin_count(source)
+        return
+    if "://" in source:
+        raise PromptDataError(f"algorithm.sft_source={source!r}: SFT pairs are read from a local folder or .parquet "
+                              "file, not a URI; copy them next to the run, or use builtin:shapes[:N]")
     path = Path(source).expanduser()
     if path.is_dir():
-        rows = read_image_folder(path, resolution)
-    elif path.suffix == ".parquet" and path.is_file():
-        rows = read_image_parquet(path, resolution)
+        if not any((path / n).is_file() for n in ("prompts.jsonl", "metadata.jsonl")):
+            raise PromptDataError(f"algorithm.sft_source={source!r}: an SFT image folder needs a prompts.jsonl (or "
+                                  "metadata.jsonl) naming each image and its prompt")
+    elif path.is_file():
+        if path.suffix != ".parquet":
+            raise PromptDataError(f"algorithm.sft_source={source!r} is a {path.suffix or 'suffix-less'} file; give a "
+                                  ".parquet file, an image folder with prompts.jsonl, or builtin:shapes[:N]")
     else:
-        raise PromptDataError(f"SFT source {source!r} is neither a folder, a .parquet file nor builtin:shapes")
+        raise PromptDataError(f"algorithm.sft_source={source!r}: no such file or folder; fix the path, or use "
+                              "builtin:shapes[:N]")
+
+
+def load_image_pairs(source: str, resolution: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The (prompt, image) rows of ``source`` (see the module docstring), images at ``resolution``."""
+    check_sft_source(source)
+    if source.startswith("builtin:"):
+        return shape_pairs(builtin_count(source), resolution, seed)
+    path = Path(source).expanduser()
+    rows = read_image_folder(path, resolution) if path.is_dir() else read_image_parquet(path, resolution)
     if not rows:
         raise PromptDataError(f"SFT source {source!r} has no rows")
     return rows

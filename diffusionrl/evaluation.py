@@ -1,4 +1,5 @@
-"""Evaluation: deterministic (ODE) sampling on held-out prompts, base model vs LoRA, same seeds.
+"""Evaluation: deterministic (ODE) sampling on held-out prompts, base model vs LoRA, same seeds
+(``eval.seeds_per_prompt`` of them per prompt); the diversity of each side (``heldout.diversity``).
 
 Prompt rows with a ``category`` (the shapes world's) give the table a category column, and a reward's
 per-sample values (``RewardResult.per_sample``, e.g. geneval_mini's success) are averaged per category.
@@ -15,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from diffusionrl.config import Config
+from diffusionrl.heldout import diversity
 from diffusionrl.models import load_adapter
 from diffusionrl.rewards import MixtureReward
 from diffusionrl.rollout.base import SamplingSpec
@@ -24,11 +26,12 @@ from diffusionrl.video import side_by_side, stacked
 
 @dataclass
 class EvalResult:
-    table: pd.DataFrame  # one row per prompt: base_* and tuned_* rewards (and per-sample values), win
+    table: pd.DataFrame  # one row per sample (prompt, seed): base_* and tuned_* rewards (and per-sample values), win
     # eval/<reward>_mean (tuned), eval/base_<reward>_mean, eval/win_rate, ...; a reward's per-sample
     # values (geneval_mini's success) as eval/[base_]<reward>_<key> overall and .../<category> per category
     summary: dict[str, float]
-    grid: np.ndarray  # uint8 grid [H, W, 3] (video: [F, H, W, 3]): base row above tuned row, per prompt columns
+    grid: np.ndarray  # uint8 grid [H, W, 3] (video: [F, H, W, 3]): base row above tuned row, one column per
+    # sample (prompt-major: a prompt's eval.seeds_per_prompt samples side by side)
     base_images: np.ndarray
     tuned_images: np.ndarray
 
@@ -61,14 +64,16 @@ def evaluate_lora(
     model_cfg = dataclasses.replace(cfg.model, name=model_path or cfg.model.name)
     adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
     tuned_transformer = PeftModel.from_pretrained(copy.deepcopy(adapter.transformer), str(lora_dir)).eval()
-    micro = max(1, min(cfg.train.micro_batch_size, len(rows)))
-    while len(rows) % micro:
+    n = len(rows) * cfg.eval.seeds_per_prompt
+    micro = max(1, min(cfg.train.micro_batch_size, n))
+    while n % micro:
         micro -= 1
     spec = eval_spec(cfg)
-    prompts = [r["prompt"] for r in rows]
-    metadata = [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
-    seeds = [cfg.eval.seed + i for i in range(len(rows))]
-    groups = list(range(len(rows)))
+    k = cfg.eval.seeds_per_prompt  # prompt-major: each prompt's samples side by side
+    prompts = [r["prompt"] for r in rows for _ in range(k)]
+    metadata = [{key: v for key, v in r.items() if key != "prompt"} for r in rows for _ in range(k)]
+    seeds = [cfg.eval.seed + j for _ in rows for j in range(k)]
+    groups = [i for i in range(len(rows)) for _ in range(k)]
     base = LocalRolloutEngine(adapter, adapter.transformer, micro).generate(
         prompts, groups, seeds, spec, None, metadata
     )
@@ -108,6 +113,9 @@ def evaluate_lora(
             "eval/reward_gain": float(np.mean(tuned_total) - np.mean(base_total)),
             "eval/win_rate": float(table["win"].mean()),
             "eval/num_prompts": float(len(rows)),
+            "eval/seeds_per_prompt": float(cfg.eval.seeds_per_prompt),
+            "eval/diversity": diversity(tuned.images, prompts),
+            "eval/base_diversity": diversity(base.images, prompts),
         }
     )
     grid = stacked([side_by_side(base.images), side_by_side(tuned.images)])  # video: one grid per frame

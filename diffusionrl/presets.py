@@ -108,7 +108,9 @@ TINY_CPU_OCR: dict[str, Any] = {
     "data": {"source": "builtin:ocr", "num_prompts": 256},
     "tracking": {"registered_model": "tiny-sd3-ocr"},
     "sampling": {"resolution": 128},
-    "train": {"prompts_per_step": 4},
+    # plumbing only: a CPU model draws no legible text, every sample's OCR reward is 0 and no group
+    # has a learning signal, so the idle-update guard (training/guard.py) is off for this preset
+    "train": {"prompts_per_step": 4, "max_idle_steps": 0},
 }
 
 # Over TINY_CPU: DiffusionNFT on the tiny model: tiny-cpu's model, data and batch, CFG-free ODE
@@ -175,8 +177,11 @@ TINY_CPU_AWM: dict[str, Any] = {
 }
 
 # Over TINY_CPU: online Diffusion-DPO, best-vs-worst pairs of each prompt group, CFG-free ODE rollouts.
+# beta 5, not Diffusion-DPO's 5000 (SD1.5 fully fine-tuned at lr ~2e-5): one Adam step at lr 1e-2 moves
+# a pair's error difference by ~lr, so at 5000 the margin beta/2 * 0.01 ~ 25 saturates the sigmoid after
+# the first step and the reward does not move (algorithms/dpo.py); keep beta * learning_rate <~ 0.1.
 TINY_CPU_DPO: dict[str, Any] = {
-    "algorithm": {"name": "dpo", "kl_beta": 0.0, "dpo_pairs": "best_worst"},
+    "algorithm": {"name": "dpo", "kl_beta": 0.0, "dpo_pairs": "best_worst", "dpo_beta": 5.0},
     "sampling": {"guidance_scale": 1.0},
     "eval": {"guidance_scale": 1.0},
 }
@@ -198,7 +203,8 @@ TINY_CPU_SHAPES: dict[str, Any] = {
     "reward": {"weights": {"geneval_mini": 1.0}},
     "data": {"source": "builtin:shapes", "num_prompts": 256, "test_fraction": 0.2, "seed": 0},
     "train": {"learning_rate": 3e-3},
-    "eval": {"num_prompts": 0},
+    # every held-out prompt, 3 seeds each in the final evaluation; a probe of all of them every 5 steps
+    "eval": {"num_prompts": 0, "seeds_per_prompt": 3, "every": 5, "probe_prompts": 0},
     "tracking": {"registered_model": "tiny-sd3-shapes"},
 }
 

@@ -18,6 +18,10 @@ Environment (read at each call, so a test or a task can set them):
 - ``DIFFUSIONRL_RAY_AUTOSCALING``: ``1`` or ``0`` says whether the cluster autoscales; unset, a
   cluster joined through ``$RAY_ADDRESS`` (KubeRay, ``ray start``) is taken to autoscale and a
   Ray this process started is not.
+
+A Ray this process starts (``start_local_ray``: no ``$RAY_ADDRESS``) serves this process alone,
+so every server of it (GCS, raylet, workers, agents) listens on 127.0.0.1 only; a cluster is joined
+as it was configured.
 """
 
 from __future__ import annotations
@@ -45,6 +49,37 @@ class RayTimeout(TimeoutError):
 
 class RayResourcesUnavailable(RuntimeError):
     """The cluster cannot hold what the config asks for (not retryable: change the config or the cluster)."""
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def start_local_ray(num_cpus: int, **kwargs) -> None:
+    """``ray.init`` of a Ray for this process alone, with every server on loopback.
+
+    A Ray node listens on its node IP, and only on 127.0.0.1 when that is its node IP; without it
+    the GCS, the raylet, each worker and the agents listen on every interface (``::``, ``0.0.0.0``).
+    ``ray.init(_node_ip_address="127.0.0.1")`` alone is not enough: Ray replaces a loopback address
+    with the host's reachable one (``ray._private.services.resolve_ip_for_localhost``) unless
+    multi-node clusters are off, its switch for macOS and Windows
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), which Ray reads once, when it is imported (flytekit's
+    Ray plugin imports it early). So the switch is off for the call: in the environment of the
+    processes ``ray.init`` starts and in Ray's constant for this one, both restored afterwards (a
+    single-node Ray needs nothing it governs). ``kwargs`` go to ``ray.init``."""
+    import ray
+    from ray._private import ray_constants
+
+    env = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    saved, saved_env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(env)
+    os.environ[env], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK, **kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+        if saved_env is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = saved_env
 
 
 def seconds(env: str) -> float:

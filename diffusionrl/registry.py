@@ -104,23 +104,30 @@ def diffusers_adapter_dir(peft_dir: str | Path, out: str | Path, pipeline_class:
     return out
 
 
+def image_params(cfg) -> dict:
+    """The served image model's generation params: this run's evaluation settings, which must lie
+    within ``request_limits.LIMITS`` (a model whose own defaults it would refuse is not logged)."""
+    from diffusionrl.request_limits import check_params
+
+    res = cfg.sampling.eval_resolution or cfg.sampling.resolution  # evaluation.eval_resolution
+    params = {"num_inference_steps": cfg.eval.num_steps, "guidance_scale": float(cfg.eval.guidance_scale),
+              "height": res, "width": res, "negative_prompt": cfg.sampling.negative_prompt}
+    return check_params(params, where="the served model's defaults (eval.num_steps, eval.guidance_scale, "
+                                      "sampling.eval_resolution, sampling.negative_prompt)")
+
+
 def model_signature(cfg):
-    """prompt -> PNG bytes; generation params default to this run's evaluation settings."""
+    """prompt -> PNG bytes; generation params default to this run's evaluation settings. ``ParamSpec``
+    has no bounds: ``predict`` checks them (``request_limits``; the model's ``request_limits`` metadata)."""
     from mlflow.models import ModelSignature
     from mlflow.types import DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import ColSpec
 
-    res = cfg.sampling.eval_resolution or cfg.sampling.resolution  # evaluation.eval_resolution
+    types = {int: DataType.integer, float: DataType.double, str: DataType.string}
     return ModelSignature(
         inputs=Schema([ColSpec(type=DataType.string, name="prompt")]),
         outputs=Schema([ColSpec(type=DataType.binary, name="image")]),
-        params=ParamSchema([
-            ParamSpec(name="num_inference_steps", dtype=DataType.integer, default=cfg.eval.num_steps),
-            ParamSpec(name="guidance_scale", dtype=DataType.double, default=float(cfg.eval.guidance_scale)),
-            ParamSpec(name="height", dtype=DataType.integer, default=res),
-            ParamSpec(name="width", dtype=DataType.integer, default=res),
-            ParamSpec(name="negative_prompt", dtype=DataType.string, default=cfg.sampling.negative_prompt),
-        ]),
+        params=ParamSchema([ParamSpec(name=k, dtype=types[type(v)], default=v) for k, v in image_params(cfg).items()]),
     )
 
 
@@ -129,11 +136,13 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
     """The LoRA as an ``mlflow.diffusers`` model of the workflow run -> ModelInfo.
 
     MLflow checks the input example by loading the model through pyfunc and generating from it
-    (a failure there is logged as a warning): the registered model is known to serve."""
+    (a failure there is logged as a warning): the registered model is known to serve. Its pyfunc
+    refuses requests outside ``request_limits`` (listed in the model's ``request_limits`` metadata)."""
     import mlflow
-    import mlflow.diffusers
     import pandas as pd
+    from mlflow.models import Model
 
+    from diffusionrl import request_limits
     from diffusionrl.models.families import adapter_class
 
     mlflow.set_tracking_uri(run.uri)
@@ -146,14 +155,19 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
             from diffusionrl.video_serving import log_video_lora_model
 
             return log_video_lora_model(run, cfg, adapter, base_ref, ADAPTER_FILE, example_prompt, metadata)
-        return mlflow.diffusers.log_model(
+        signature = model_signature(cfg)
+        # what mlflow.diffusers.log_model does, its pyfunc loader behind the bounds (request_limits.save_model)
+        return Model.log(
+            artifact_path=None,
+            name="lora",
+            flavor=request_limits,
+            flavor_name="mlflow.diffusers",
+            run_id=run.run_id,
             adapter_path=str(adapter),
             base_model=base_ref,
-            name="lora",
-            run_id=run.run_id,
-            signature=model_signature(cfg),
+            signature=signature,
             input_example=pd.DataFrame({"prompt": [example_prompt]}),
-            metadata=metadata,
+            metadata={**metadata, "request_limits": request_limits.describe(p.name for p in signature.params)},
         )
 
 
@@ -340,8 +354,10 @@ def show(uri: str, name: str | None = None) -> dict:
 
             default = get_preset("tiny-cpu").tracking.registered_model
             if default not in names:
-                raise SystemExit(f"{len(names)} registered models in {uri} ({', '.join(names) or 'none'}): "
-                                 "pick one with --name")
+                from diffusionrl.errors import UserError
+
+                raise UserError(f"{len(names)} registered models in {uri} ({', '.join(names) or 'none'}): "
+                                "pick one with --name")
             names = [default]
         name = names[0]
     model = c.get_registered_model(name)
@@ -382,8 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", help="registered model name (default: the only one, or the tiny-cpu preset's)")
     p.add_argument("--tracking-uri", default="", help="default: $MLFLOW_TRACKING_URI or ./runs/mlflow")
     args = parser.parse_args(argv)
-    print(json.dumps(show(resolve_uri(args.tracking_uri), args.name), indent=1))
-    return 0
+    from diffusionrl.errors import run_cli
+    from diffusionrl.tracking.store import cli_store
+
+    def body() -> None:  # an unreachable or mistyped store: one line, exit status 2 (run_cli)
+        print(json.dumps(show(cli_store(resolve_uri(args.tracking_uri)), args.name), indent=1))
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The run report: one self-contained HTML page (config, curves, eval table, grids, artifacts).
 
 On the shapes world (an evaluation table with categories and geneval_mini successes) it shows
-GenEval's per-category accuracy table, base vs tuned, and each held-out prompt's base and tuned image
-side by side with their verdicts."""
+GenEval's per-category accuracy table, base vs tuned, and each held-out prompt's base and tuned
+images (every evaluation seed) side by side with their verdicts. Every run with held-out probes gets
+the reward-hacking plot (training reward, held-out reward and diversity, alarms marked)."""
 
 from __future__ import annotations
 
@@ -86,24 +87,77 @@ def category_table(eval_table: pd.DataFrame | None) -> pd.DataFrame | None:
 
 
 def _side_by_side(eval_table: pd.DataFrame, grid: np.ndarray) -> list[str]:
-    """One row per held-out prompt: its category, the base and the tuned image (cut from the eval grid:
-    base row above tuned row, one column per prompt) and whether each succeeded."""
+    """One row per held-out prompt: its category, its base and its tuned images (cut from the eval grid:
+    base row above tuned row, one column per sample, a prompt's samples side by side) and whether
+    each succeeded."""
     n = len(eval_table)
     h, w = grid.shape[0] // 2, grid.shape[1] // n
     success = next((c[len("base_"):] for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")),
                    None)
     rows = ["<table><tr><th>prompt</th><th>category</th><th>base</th><th>tuned</th></tr>"]
-    for i, row in enumerate(eval_table.itertuples(index=False)):
+    samples = list(eval_table.itertuples(index=False))
+    start = 0
+    while start < n:
+        end = start
+        while end < n and samples[end].prompt == samples[start].prompt:
+            end += 1
         cells = []
-        for side, image in (("base", grid[:h, i * w:(i + 1) * w]), ("tuned", grid[h:, i * w:(i + 1) * w])):
-            mark = ""
-            if success is not None:
-                ok = getattr(row, f"{side}_{success}") >= 0.5
-                mark = f"<br><span class='{'ok' if ok else 'bad'}'>{'&#10003;' if ok else '&#10007;'}</span>"
-            cells.append(f"<td>{_img(image, side, width=3 * w)}{mark}</td>")
-        rows.append(f"<tr><td>{html.escape(str(row.prompt))}</td><td>{html.escape(str(row.category))}</td>"
-                    f"{''.join(cells)}</tr>")
+        for side, band in (("base", grid[:h]), ("tuned", grid[h:])):
+            images = []
+            for i in range(start, end):
+                mark = ""
+                if success is not None:
+                    ok = getattr(samples[i], f"{side}_{success}") >= 0.5
+                    mark = f"<br><span class='{'ok' if ok else 'bad'}'>{'&#10003;' if ok else '&#10007;'}</span>"
+                image = _img(band[:, i * w:(i + 1) * w], side, width=3 * w)
+                images.append(f"<span class='sample'>{image}{mark}</span>")
+            cells.append(f"<td>{''.join(images)}</td>")
+        row = samples[start]
+        rows.append(f"<tr><td>{html.escape(str(row.prompt))}</td><td>{html.escape(str(getattr(row, 'category', '')))}"
+                    f"</td>{''.join(cells)}</tr>")
+        start = end
     return rows + ["</table>"]
+
+
+def alarm_png(metrics: pd.DataFrame) -> tuple[np.ndarray | None, list]:
+    """The reward-hacking plot: the training reward per step and the held-out probes' reward (and
+    diversity, right axis) against the policy version, each alarm a red line; and the alarms
+    (``heldout.hacking_alarms``). (None, []) when the run has no probes."""
+    from diffusionrl.heldout import DIVERSITY_KEY, HELDOUT_KEY, TRAIN_KEY, hacking_alarms
+
+    if metrics is None or metrics.empty or HELDOUT_KEY not in metrics.columns:
+        return None, []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [{k: v for k, v in r.items() if not (isinstance(v, float) and np.isnan(v))}
+            for r in metrics.to_dict("records")]
+    alarms = hacking_alarms(rows)
+    probes = metrics.dropna(subset=[HELDOUT_KEY])
+    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=80)
+    if TRAIN_KEY in metrics.columns:
+        ax.plot(metrics["step"] - 1, metrics[TRAIN_KEY], ".-", alpha=0.6, label="training reward (rollouts)")
+    ax.plot(probes["heldout/policy_version"], probes[HELDOUT_KEY], "o-", color="C2", label="held-out reward (ODE)")
+    ax.set_xlabel("policy version (updates)")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    if DIVERSITY_KEY in probes.columns:
+        ax2 = ax.twinx()
+        ax2.plot(probes["heldout/policy_version"], probes[DIVERSITY_KEY], "s--", color="C4", label="diversity")
+        ax2.set_ylabel("diversity")
+        ax2.set_ylim(bottom=0)
+        ax2.legend(loc="lower right", fontsize=8)
+    for alarm in alarms:
+        ax.axvline(alarm.policy_version, color="red", alpha=0.6)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("reward-hacking alarm" + (f": {len(alarms)} alarm(s)" if alarms else ": no alarm"))
+    fig.tight_layout()
+    fig.canvas.draw()
+    image = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    plt.close(fig)
+    return image, alarms
 
 
 def build_report(
@@ -122,7 +176,8 @@ def build_report(
         f"<title>{html.escape(title)}</title>",
         "<style>body{font-family:sans-serif;margin:1.5em;max-width:1400px}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}th{background:#f4f4f4}"
-        "h2{border-bottom:1px solid #ddd}.ok{color:#070}.bad{color:#a00}</style></head><body>",
+        "h2{border-bottom:1px solid #ddd}.ok{color:#070}.bad{color:#a00}"
+        ".sample{display:inline-block;text-align:center;margin:0 2px}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
     ]
     if eval_summary:
@@ -135,9 +190,27 @@ def build_report(
             f"win rate {eval_summary.get('eval/win_rate', float('nan')):.2f} over "
             f"{int(eval_summary.get('eval/num_prompts', 0))} prompts.</p>"
         )
+        success = sorted(k for k in eval_summary if k.startswith("eval/base_") and k.endswith("_success"))
+        for key in success:  # e.g. geneval_mini's strict success
+            tuned = "eval/" + key[len("eval/base_"):]
+            parts.append(f"<p><b>Strict success ({html.escape(key[len('eval/base_'):-len('_success')])}):</b> "
+                         f"{eval_summary[key]:.2f} &rarr; {eval_summary.get(tuned, float('nan')):.2f}</p>")
+        if "eval/diversity" in eval_summary:
+            parts.append(f"<p><b>Diversity</b> (mean distance between images of different prompts): "
+                         f"{eval_summary.get('eval/base_diversity', float('nan')):.3f} &rarr; "
+                         f"{eval_summary['eval/diversity']:.3f}</p>")
     curves = curves_png(metrics) if metrics is not None else None
     if curves is not None:
         parts += ["<h2>Training curves</h2>", _img(curves, "training curves")]
+    alarm_plot, alarms = alarm_png(metrics)
+    if alarm_plot is not None:
+        parts += ["<h2>Held-out probes and the reward-hacking alarm</h2>",
+                  "<p>Every <code>eval.every</code> steps the rollout weights draw the held-out prompts (ODE, fixed "
+                  "seeds); an alarm marks a probe where the training reward has risen while the held-out reward fell "
+                  "or the diversity (mean distance between images of different prompts) halved.</p>",
+                  _img(alarm_plot, "reward-hacking alarm")]
+        parts += [f"<p class='bad'><b>Alarm at step {a.step}</b> (policy version {a.policy_version}): "
+                  f"{html.escape(a.reason)}</p>" for a in alarms]
     if eval_summary:
         parts.append("<h2>Evaluation summary</h2><table>")
         parts += [f"<tr><th>{html.escape(k)}</th><td>{v:.6g}</td></tr>" for k, v in sorted(eval_summary.items())]

@@ -12,11 +12,13 @@ uninterrupted run would have done (docs/algorithms.md section 11).
 
 What a run trusts on resume: the checkpoint's files (SHA-256 manifest, a damaged newest one is
 skipped for the previous intact one, ``diffusionrl.checkpoint``), its model and objective
-(``metadata``, fail closed), its config (every key but the ``free_keys`` must be unchanged, unless
-the caller allows the change, which is then recorded in ``config_changes.jsonl``) and
+(``metadata``, fail closed), its config and the digests of its input data (every key but the
+``free_keys`` and every input digest must be unchanged, unless the caller allows the change, which
+is then recorded in ``config_changes.jsonl``) and
 ``metrics.jsonl`` (a torn last line, left by a kill mid-write, is dropped with a warning; any other
 bad line fails naming file and line). A fresh run in a folder holding another run's checkpoints
-moves that run aside (``previous-run-<time>/``) instead of mixing with it.
+moves that run aside (``previous-run-<time>/``) instead of mixing with it. A run owns its folder
+while it runs (``diffusionrl.runlock``): a second run there refuses, naming the first.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from diffusionrl.checkpoint import (
     ConfigChanged,
     check_metadata,
     config_changes,
+    input_changes,
     list_checkpoints,
     load_checkpoint,
     load_latest,
@@ -46,6 +49,7 @@ from diffusionrl.checkpoint import (
     with_hyperparameters,
 )
 from diffusionrl.errors import UserError
+from diffusionrl.runlock import RunOwner, hold_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,7 @@ RUN_FILES = ("checkpoints", METRICS_FILE, CONFIG_FILE, CHANGES_FILE)  # what a f
 # cadence, logging, layout: ``train.FREE_KEYS``, ``bdlm.backend.FREE_KEYS``); every other key is
 # objective-relevant and must match the checkpoint's config.
 RUN_CONTROL_KEYS = ("preset", "eval.*", "tracking.*")
+DATA_HINT = " (the data behind an unchanged path was rewritten)"
 
 
 class MetricsFileError(UserError):
@@ -108,11 +113,16 @@ class RunLoop:
 
     ``progress``: True a progress bar, False silent, None a bar on a terminal and otherwise one
     line per step (step, reward, seconds) on the ``diffusionrl.runloop`` logger when it logs INFO,
-    else on stderr."""
+    else on stderr.
+
+    ``inputs``: digests of the data the config's paths name (``{"prompts": ..., "sft_pairs": ...,
+    "init_lora": ...}``, ``train.input_digests``), recorded in each checkpoint and compared on
+    resume like the config: a file rewritten at the same path changes what is optimised although
+    no setting changed."""
 
     def __init__(self, backend: Backend, out_dir: str | Path, schedule: Schedule, config: dict[str, Any],
                  callbacks: list[Callback] | None = None, progress: bool | None = None,
-                 free_keys: tuple[str, ...] = RUN_CONTROL_KEYS):
+                 free_keys: tuple[str, ...] = RUN_CONTROL_KEYS, inputs: dict[str, str] | None = None):
         self.backend = backend
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +132,7 @@ class RunLoop:
         self.callbacks = list(callbacks or [])
         self.progress = progress
         self.free_keys = tuple(free_keys)
+        self.inputs = dict(inputs or {})
         self.step = 0
         self.history: list[dict[str, float]] = []
 
@@ -134,6 +145,8 @@ class RunLoop:
         batch, metrics = self.backend.run_step(step)
         self.step = step + 1
         self.history.append(metrics)
+        for cb in self.callbacks:
+            cb.on_metrics(self, self.step, metrics)
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps(metrics) + "\n")
         for cb in self.callbacks:
@@ -145,6 +158,7 @@ class RunLoop:
         """Save this step's checkpoint (with the run's config), prune old ones, tell the callbacks."""
         state = self.backend.state(self.step)
         state.config = self.config
+        state.inputs = self.inputs
         path = save_checkpoint(self.ckpt_dir / f"step-{self.step:06d}", state)
         prune_checkpoints(self.ckpt_dir, self.schedule.keep_checkpoints)
         for cb in self.callbacks:
@@ -161,7 +175,8 @@ class RunLoop:
         if changes and not allow_config_change:
             listed = ", ".join(f"{k} {json.dumps(v['old'])} -> {json.dumps(v['new'])}" for k, v in changes.items())
             raise ConfigChanged(
-                f"cannot resume from {path}: objective-relevant settings differ from the checkpoint's: {listed}; "
+                f"cannot resume from {path}: objective-relevant settings or input data differ from the checkpoint's: "
+                f"{listed}{DATA_HINT if any(k.startswith('inputs.') for k in changes) else ''}; "
                 "resume with the checkpoint's settings, allow the change (--allow-config-change, "
                 f"allow_config_change=True; recorded in {CHANGES_FILE}) or start over (--fresh)")
         if changes:
@@ -174,14 +189,16 @@ class RunLoop:
 
     def config_changes(self, state: CheckpointState) -> dict[str, dict]:
         """Objective-relevant keys whose value differs from the config the checkpoint was made with
-        (for a checkpoint that predates recording it: the run folder's ``config.json``)."""
+        (for a checkpoint that predates recording it: the run folder's ``config.json``), then the
+        inputs whose digest differs (``inputs.prompts``, ...: the data changed behind its path)."""
         saved = state.config
         if not saved and (self.out_dir / CONFIG_FILE).is_file():
             try:
                 saved = json.loads((self.out_dir / CONFIG_FILE).read_text())
             except ValueError:
                 log.warning("%s is not JSON: the config is not compared on this resume", self.out_dir / CONFIG_FILE)
-        return config_changes(saved, self.config, self.free_keys) if saved else {}
+        changes = config_changes(saved, self.config, self.free_keys) if saved else {}
+        return {**changes, **input_changes(state.inputs, self.inputs)}
 
     def record_config_changes(self, path: str | Path, step: int, changes: dict[str, dict]) -> None:
         row = {"step": step, "checkpoint": Path(path).name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -218,7 +235,14 @@ class RunLoop:
         ``resume="auto"`` continues from the latest intact checkpoint of this output folder, a path
         resumes from that checkpoint, ``None`` starts fresh (moving another run's checkpoints aside).
         ``allow_config_change`` lets a resume change objective-relevant settings (recorded).
+        The run owns ``out_dir`` meanwhile (``runlock.hold_run_folder``): a second run there raises
+        ``RunFolderBusy`` naming this one, before it reads or moves anything.
         """
+        with hold_run_folder(self.out_dir) as owner:
+            return self._run(owner, resume, stop_after, allow_config_change)
+
+    def _run(self, owner: RunOwner, resume: str | Path | None, stop_after: int | None,
+             allow_config_change: bool) -> RunResult:
         ckpt: Path | None = None
         if resume == "auto":
             found = load_latest(self.ckpt_dir, restore_rng=self.backend.restore_rng)
@@ -241,12 +265,14 @@ class RunLoop:
         bar = tqdm(range(self.step, last), desc=self.backend.progress_label, initial=self.step, total=total,
                    disable=not (tty if self.progress is None else self.progress))
         for step in bar:
+            owner.check()  # a lost lease (object-store run folder) stops the run before it writes
             t0 = time.perf_counter()
             metrics = self.run_step(step)
             reward = metrics.get(self.schedule.postfix_metric)
             if reward is not None:
                 bar.set_postfix(reward=f"{reward:.4f}")
             if (every and self.step % every == 0) or self.step == last:
+                owner.check()
                 ckpt = self.checkpoint()
             if lines:
                 progress_line(f"{self.backend.progress_label} step {self.step}/{total}"

@@ -19,12 +19,18 @@ is a staging copy and ``RunFolder`` moves what must outlive the process to the s
 
 For a local folder every method is a no-op (checkpoints are already written under a temporary
 name and renamed, ``diffusionrl.checkpoint``), so local runs behave exactly as before.
+
+A run folder must outlive the process that writes it (the next task reads it, a retried attempt
+resumes from it, MLflow records where it is): a store that lives inside the process (fsspec's
+``memory://``) is refused in one line (``RunFolderError``, ``check_run_folder``). Tests that
+exercise the store logic in one process set ``DIFFUSIONRL_ALLOW_MEMORY_STORE=1`` (test-only).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -32,6 +38,7 @@ import uuid
 from pathlib import Path
 
 from diffusionrl.callbacks import Callback
+from diffusionrl.errors import UserError
 from diffusionrl.manifest import MANIFEST, CheckpointDamaged, verify_checkpoint
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,87 @@ def is_remote(uri: str | Path) -> bool:
     """An object-store (or any non-local fsspec) URI, as opposed to a plain or ``file://`` path."""
     text = str(uri)
     return "://" in text and not text.startswith("file://")
+
+
+# fsspec stores that live in the process's memory: nothing there outlives it or is seen by another
+PROCESS_LOCAL = ("memory",)
+ALLOW_MEMORY_ENV = "DIFFUSIONRL_ALLOW_MEMORY_STORE"  # "1": allow them (tests of the store logic only)
+
+
+class RunFolderError(UserError):
+    """A run folder that cannot keep a run: on a process-local store, or a URI where a local folder is needed."""
+
+
+def protocols(uri: str | Path) -> list[str]:
+    """The fsspec protocols of ``uri``, chained ones included (``simplecache::memory://x`` -> both)."""
+    return [part.split("://", 1)[0] for part in str(uri).split("::") if "://" in part]
+
+
+def check_run_folder(uri: str | Path) -> None:
+    """Refuse a run folder on a process-local store (``memory://``) unless ``$DIFFUSIONRL_ALLOW_MEMORY_STORE``
+    is 1: its checkpoints, metrics and LoRA would vanish when the process exits, while the run (and
+    MLflow's record of its folder) said they were kept."""
+    local = [p for p in protocols(uri) if p in PROCESS_LOCAL]
+    if local and os.environ.get(ALLOW_MEMORY_ENV) != "1":
+        raise RunFolderError(
+            f"run folder {uri}: {local[0]}:// is a store inside this process, gone when it exits and invisible to "
+            "the next task or attempt; use a local folder or an object store (s3://, gs://, ...)")
+
+
+def check_local_out(out_dir: str | Path) -> None:
+    """Refuse a URI as a training output folder: the loop writes a local folder (a run folder on an
+    object store is staged locally and uploaded by ``RunFolder``, the workflows' ``checkpoint_dir``),
+    and a URI there would become a local folder named like it (``memory:/x``)."""
+    if is_remote(out_dir):
+        check_run_folder(out_dir)
+        raise RunFolderError(
+            f"output folder {out_dir}: training writes a local folder, not a URI; give a local path (a run folder "
+            "on an object store is the workflow's checkpoint_dir)")
+
+
+# Words in the type names of what a store client raises for missing or refused credentials
+# (botocore's NoCredentialsError, google.auth's DefaultCredentialsError, azure's ClientAuthenticationError, ...)
+_DENIED_NAMES = ("credential", "auth", "accessdenied", "forbidden", "permission", "token", "signature")
+
+
+def access_denied(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says the store refused who we are: no
+    credentials, bad or expired ones, or no permission."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, PermissionError) or any(w in type(exc).__name__.lower() for w in _DENIED_NAMES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def check_store_access(uri: str | Path, what: str = "run folder") -> None:
+    """One cheap request to the store behind ``uri`` (``fs.info`` on its prefix; a prefix with
+    nothing under it yet is fine), so that a store without credentials, one that refuses them, or a
+    protocol fsspec cannot open fails now, in one line naming ``what`` and the URI, and not as a
+    ``NoCredentialsError`` traceback from inside training after the model was fetched. A local path
+    is not checked; other errors (a network fault: retryable) propagate."""
+    if not is_remote(uri):
+        return
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(str(uri))
+    except (ImportError, ValueError) as exc:  # an unknown protocol, or its package not installed
+        raise RunFolderError(f"{what} {uri}: fsspec cannot open this store ({exc}); fix the URI or install the "
+                             "store's fsspec package (s3fs, gcsfs, adlfs)") from None
+    try:
+        fs.info(root)
+    except FileNotFoundError:
+        pass  # nothing there yet: a new run folder
+    except Exception as exc:
+        if not access_denied(exc):
+            raise
+        raise RunFolderError(
+            f"{what} {uri}: the store refused access ({type(exc).__name__}: {exc}); give this task credentials for "
+            "it (e.g. AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, the pod's service account), or use "
+            "another folder") from None
 
 
 def local_path(uri: str | Path) -> Path:
@@ -87,6 +175,7 @@ class RunFolder:
     """The run folder at ``uri``; ``local`` is where the loop writes (``uri`` itself when local)."""
 
     def __init__(self, uri: str | Path, staging: str | Path | None = None):
+        check_run_folder(uri)
         self.uri = str(uri).rstrip("/")
         self.remote = is_remote(self.uri)
         if self.remote:
@@ -131,8 +220,9 @@ class RunFolder:
         return True
 
     def push_changed(self, skip: tuple[str, ...] = ("checkpoints",)) -> int:
-        """Upload every local file that is new or changed since the last call (folders in ``skip``
-        and ``*.tmp`` files, which a background writer is still writing, excluded); returns how
+        """Upload every local file that is new or changed since the last call (folders in ``skip``,
+        ``*.tmp`` files, which a background writer is still writing, and ``*.lock`` files, a local
+        folder's lock (``runlock``), which mean nothing on another machine, excluded); returns how
         many went up."""
         if not self.remote:
             return 0
@@ -140,7 +230,7 @@ class RunFolder:
         sent = 0
         for f in sorted(p for p in self.local.rglob("*") if p.is_file()):
             rel = f.relative_to(self.local)
-            if rel.parts[0] in skip or f.name.endswith(".tmp"):  # .tmp: being written (renamed when complete)
+            if rel.parts[0] in skip or f.name.endswith((".tmp", ".lock")):  # .tmp: renamed when complete
                 continue
             st = f.stat()
             key = (st.st_size, st.st_mtime_ns)

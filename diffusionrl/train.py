@@ -7,10 +7,12 @@ Prints one JSON line of metrics per step, writes ``metrics.jsonl``, checkpoints 
 (``<out>/lora``). Re-running with the same ``--out`` resumes from the latest intact checkpoint (a
 damaged one is skipped with a warning) with the same settings: raising ``--steps`` continues the
 run, changing what is optimised (learning rate, data, seed, ...) needs ``--allow-config-change``
-(each change is recorded in ``<out>/config_changes.jsonl``). ``--fresh`` starts over in ``--out``:
-the previous run's checkpoints, metrics.jsonl and config.json are moved to
-``<out>/previous-run-<time>/``, never deleted (its lora/ is replaced when the new run ends; its
-final LoRA stays in its last checkpoint).
+(each change is recorded in ``<out>/config_changes.jsonl``), and so does a prompt file, SFT pair
+set or initial LoRA rewritten at the same path (their digests are in the checkpoint,
+``input_digests``). Two runs cannot share ``--out``: the second refuses in one line naming the
+first (``diffusionrl.runlock``). ``--fresh`` starts over in ``--out``: the previous run's
+checkpoints, metrics.jsonl and config.json are moved to ``<out>/previous-run-<time>/``, never
+deleted (its lora/ is replaced when the new run ends; its final LoRA stays in its last checkpoint).
 A mistake in the config, the prompts or the run folder (a ``diffusionrl.errors.UserError``) is one
 line on stderr and exit status 2; the prompts are loaded and checked before the model.
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from diffusionrl.config import Config, apply_overrides, describe, load_config
 from diffusionrl.errors import run_cli
+from diffusionrl.heldout import HackingAlarm
 from diffusionrl.runloop import RUN_CONTROL_KEYS, Callback, RunLoop, RunResult, Schedule
 
 KEYS = (
@@ -42,6 +45,9 @@ KEYS = (
     "train/log_prob_mean_abs_diff",
     "train/grad_norm",
     "perf/step_time",
+    "heldout/reward_mean",
+    "heldout/diversity",
+    "alarm/hacking",
 )
 
 # Config keys a resumed image run may change (``runloop.RUN_CONTROL_KEYS`` and these): how long to
@@ -51,6 +57,7 @@ FREE_KEYS = RUN_CONTROL_KEYS + (
     "train.steps", "train.checkpoint_every", "train.keep_checkpoints", "train.log_images_every",
     "train.save_latents", "train.world_size", "train.placement", "train.rollout_engines", "train.cpus_per_bundle",
     "train.engine_gpu_fraction", "train.memory_handoff", "train.offload_optimizer", "train.deterministic",
+    "train.max_idle_steps", "train.max_skipped_fraction",
     "sampling.sglang_*", "reward.num_actors", "reward.ocr_threads", "model.device", "model.gradient_checkpointing",
 )
 
@@ -68,8 +75,11 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
 
     from diffusionrl.data import load_prompts
     from diffusionrl.rewards import make_scorer, prompt_validator
+    from diffusionrl.storage import check_local_out
     from diffusionrl.training.backend import ImageBackend
+    from diffusionrl.training.guard import UpdateGuard
 
+    check_local_out(out_dir)  # before any data or weights are loaded
     torch.manual_seed(cfg.train.seed)
     if cfg.algorithm.name == "sft":  # supervised warm start: (prompt, image) pairs, no rollouts or rewards
         return build_sft_loop(cfg, out_dir, callbacks=callbacks, progress=progress, model_path=model_path)
@@ -89,24 +99,83 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
     backend = ImageBackend(cfg, out_dir, prompts, worker, scorer if scorer is not None else make_scorer(cfg.reward))
     tc = cfg.train
     schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints)
-    return RunLoop(backend, out_dir, schedule, cfg.to_dict(), callbacks=callbacks, progress=progress,
-                   free_keys=FREE_KEYS)
+    # every image run watches its held-out probes for reward hacking (diffusionrl.heldout), and stops
+    # when it stops updating (training.guard: last, so the tripping step's metrics are written and synced)
+    return RunLoop(backend, out_dir, schedule, cfg.to_dict(),
+                   callbacks=[HackingAlarm(), *(callbacks or []), UpdateGuard(cfg.train)],
+                   progress=progress, free_keys=FREE_KEYS, inputs=input_digests(cfg, prompts=prompts))
 
 
 def build_sft_loop(cfg: Config, out_dir: str | Path, *, callbacks: list[Callback] | None = None,
                    progress: bool | None = None, model_path: str | None = None) -> RunLoop:
     """A ``RunLoop`` over ``training.sft.SFTBackend`` (``algorithm.name=sft``, docs/algorithms.md 14.7)."""
     from diffusionrl.data_sft import load_image_pairs
+    from diffusionrl.storage import check_local_out
+    from diffusionrl.training.guard import UpdateGuard
     from diffusionrl.training.local_worker import LocalPolicyWorker
     from diffusionrl.training.sft import SFTBackend
 
+    check_local_out(out_dir)
     rows = load_image_pairs(cfg.algorithm.sft_source, cfg.sampling.resolution, cfg.data.seed)
     worker = LocalPolicyWorker(cfg, model_path=model_path, engine_factory=SFTBackend.no_engine)
     tc = cfg.train
     schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints,
                         postfix_metric="train/loss")
-    return RunLoop(SFTBackend(cfg, out_dir, worker, rows), out_dir, schedule, cfg.to_dict(), callbacks=callbacks,
-                   progress=progress)
+    return RunLoop(SFTBackend(cfg, out_dir, worker, rows), out_dir, schedule, cfg.to_dict(),
+                   callbacks=[*(callbacks or []), UpdateGuard(cfg.train)], progress=progress,
+                   inputs=input_digests(cfg, sft_rows=rows))
+
+
+def input_digests(cfg: Config, prompts=None, sft_rows: list[dict] | None = None) -> dict[str, str]:
+    """Digests of the data behind the config's paths, which ``RunLoop`` records in every checkpoint
+    and compares on resume like the config (``--allow-config-change`` lets them differ, recorded):
+    the prompts as loaded (``PromptSet.digest``, the digest of the MLflow datasets and the
+    ``dataset_digest`` tag), the SFT pairs (each row's prompt, fields and pixels) and the
+    ``algorithm.init_lora`` weights (``adapter_model.safetensors``, the file the policy loads).
+
+    The base weights' digest is not here: it is in the checkpoint's ``metadata`` (``model_digest``),
+    which a resume must match whatever it allows. Kept beside ``build_loop`` rather than in the
+    backends' ``metadata`` because this is data the caller chose, not the policy's identity."""
+    out: dict[str, str] = {}
+    if prompts is not None:
+        out["prompts"] = prompts.digest
+    if sft_rows is not None:
+        out["sft_pairs"] = rows_digest(sft_rows)
+    if cfg.algorithm.init_lora:
+        out["init_lora"] = file_digest(f"{str(cfg.algorithm.init_lora).rstrip('/')}/adapter_model.safetensors")
+    return out
+
+
+def rows_digest(rows: list[dict]) -> str:
+    """sha256 (16 hex) over every row's fields in order, arrays (an SFT pair's image) by dtype, shape and bytes."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256()
+    for row in rows:
+        for key in sorted(row):
+            value = row[key]
+            h.update(key.encode() + b"\x00")
+            if isinstance(value, np.ndarray):
+                h.update(f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+            else:
+                h.update(json.dumps(value, sort_keys=True, default=str).encode())
+        h.update(b"\x01")
+    return h.hexdigest()[:16]
+
+
+def file_digest(uri: str) -> str:
+    """sha256 (16 hex) of the file at a local path or an object-store URI."""
+    import hashlib
+
+    import fsspec
+
+    h = hashlib.sha256()
+    with fsspec.open(uri, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def sft_config(cfg: Config, steps: int | None = None, overrides: list[str] = (), source: str | None = None) -> Config:
@@ -137,12 +206,19 @@ def train_sft(cfg: Config, out_dir: str | Path, source: str | None = None, **kw)
 
 def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", stop_after: int | None = None,
           allow_config_change: bool = False, **kw) -> RunResult:
-    """Build a loop for ``cfg`` (``build_loop``'s keywords) and run it to the end (``RunLoop.run``)."""
-    loop = build_loop(cfg, out_dir, **kw)
-    try:
-        return loop.run(resume=resume, stop_after=stop_after, allow_config_change=allow_config_change)
-    finally:
-        loop.close()
+    """Build a loop for ``cfg`` (``build_loop``'s keywords) and run it to the end (``RunLoop.run``).
+    ``out_dir`` is owned from before the model loads (``runlock``): a folder another run holds
+    fails at once, naming it, not after minutes of loading."""
+    from diffusionrl.runlock import hold_run_folder
+    from diffusionrl.storage import check_local_out
+
+    check_local_out(out_dir)  # a URI here would be a local folder named like it (memory:/x): refused first
+    with hold_run_folder(out_dir):
+        loop = build_loop(cfg, out_dir, **kw)
+        try:
+            return loop.run(resume=resume, stop_after=stop_after, allow_config_change=allow_config_change)
+        finally:
+            loop.close()
 
 
 class PrintMetrics(Callback):
@@ -159,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="dotted override, e.g. train.learning_rate=1e-3 (repeatable)")
     ap.add_argument("--steps", type=int, default=None, help="shorthand for --set train.steps=N")
-    ap.add_argument("--out", required=False, default="runs/train", help="output folder (resumes if it has checkpoints)")
+    ap.add_argument("--out", required=False, default="runs/train",
+                    help="local output folder (resumes if it has checkpoints; not a URI)")
     ap.add_argument("--fresh", action="store_true",
                     help="start a new run in --out even if it holds one: that run's checkpoints/, metrics.jsonl and "
                          "config.json are moved to <out>/previous-run-<time>/ (never deleted)")

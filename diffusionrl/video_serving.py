@@ -7,7 +7,9 @@ folder that ``registry.diffusers_adapter_dir`` writes (``pytorch_lora_weights.sa
 ``WanPipeline.load_lora_weights``, and ``peft/``) and ``video_settings.json`` (the base model
 reference and revision, and the run's evaluation settings: steps, guidance, size, frames, negative
 prompt). ``predict`` loads the base with ``DiffusionPipeline.from_pretrained`` (the class comes from
-its ``model_index.json``), applies the LoRA and returns one GIF (bytes) per prompt.
+its ``model_index.json``), applies the LoRA and returns one GIF (bytes) per prompt. Every request is
+checked against ``request_limits`` first (prompts, steps, guidance, size, frames, text length; the
+model's ``request_limits`` metadata lists them): one line, and nothing generated, when it is outside.
 """
 
 from __future__ import annotations
@@ -30,39 +32,40 @@ class VideoLoraModel(mlflow.pyfunc.PythonModel):
         import torch
         from diffusers import DiffusionPipeline
 
-        from diffusionrl.models.base import hf_token
+        from diffusionrl.models.base import dtype_kwargs, hf_token, no_progress_bars
 
         self.settings = json.loads(Path(context.artifacts["settings"]).read_text())
         s = self.settings
-        pipe = DiffusionPipeline.from_pretrained(s["base_model"], revision=s.get("revision") or None,
-                                                 token=hf_token(), torch_dtype=torch.float32)
+        with no_progress_bars():
+            pipe = DiffusionPipeline.from_pretrained(s["base_model"], revision=s.get("revision") or None,
+                                                     token=hf_token(), **dtype_kwargs(torch.float32))
         pipe.load_lora_weights(context.artifacts[ADAPTER_ARTIFACT], weight_name=s["weight_name"])
         self.pipe = pipe.to("cuda" if torch.cuda.is_available() else "cpu")
 
     def predict(self, context, model_input, params=None) -> list[bytes]:
         import numpy as np
 
+        from diffusionrl.request_limits import check_params, prompts_of
         from diffusionrl.video import gif_bytes
 
-        if isinstance(model_input, pd.DataFrame):
-            prompts = model_input["prompt" if "prompt" in model_input else model_input.columns[0]].tolist()
-        elif isinstance(model_input, str):
-            prompts = [model_input]
-        else:
-            prompts = list(model_input)
-        s = {**self.settings["generation"], **(params or {})}
+        prompts = prompts_of(model_input)
+        s = check_params({**self.settings["generation"], **(params or {})})
         if not s.get("negative_prompt"):
             s.pop("negative_prompt", None)  # the pipeline's own default
-        out = self.pipe(prompt=[str(p) for p in prompts], output_type="np", **s).frames  # [B, F, H, W, 3] in [0, 1]
+        out = self.pipe(prompt=prompts, output_type="np", **s).frames  # [B, F, H, W, 3] in [0, 1]
         return [gif_bytes((np.asarray(v) * 255).round().astype(np.uint8)) for v in out]
 
 
 def generation_settings(cfg) -> dict:
-    """The run's evaluation settings, as ``WanPipeline.__call__`` keywords (the defaults of ``predict``)."""
+    """The run's evaluation settings, as ``WanPipeline.__call__`` keywords (the defaults of ``predict``),
+    which must lie within ``request_limits.LIMITS`` (a model that would refuse its own defaults is not logged)."""
+    from diffusionrl.request_limits import check_params
+
     res = cfg.sampling.eval_resolution or cfg.sampling.resolution  # evaluation.eval_resolution
-    return {"num_inference_steps": cfg.eval.num_steps, "guidance_scale": float(cfg.eval.guidance_scale),
-            "height": res, "width": res, "num_frames": cfg.sampling.num_frames,
-            "negative_prompt": cfg.sampling.negative_prompt, "max_sequence_length": cfg.model.max_sequence_length}
+    settings = {"num_inference_steps": cfg.eval.num_steps, "guidance_scale": float(cfg.eval.guidance_scale),
+                "height": res, "width": res, "num_frames": cfg.sampling.num_frames,
+                "negative_prompt": cfg.sampling.negative_prompt, "max_sequence_length": cfg.model.max_sequence_length}
+    return check_params(settings, where="the served model's defaults (eval.*, sampling.*, model.max_sequence_length)")
 
 
 def video_signature(cfg):
@@ -85,6 +88,8 @@ def log_video_lora_model(run, cfg, adapter_dir: str | Path, base_ref: str, weigh
     ModelInfo (MLflow checks the input example by loading the model and generating a video)."""
     from mlflow.models import Model
 
+    from diffusionrl.request_limits import describe
+
     with tempfile.TemporaryDirectory() as tmp:
         settings = Path(tmp) / SETTINGS_FILE
         settings.write_text(json.dumps({"base_model": base_ref, "revision": cfg.model.revision,
@@ -96,7 +101,7 @@ def log_video_lora_model(run, cfg, adapter_dir: str | Path, base_ref: str, weigh
             name="lora",
             flavor=mlflow.pyfunc,
             run_id=run.run_id,
-            metadata=metadata,
+            metadata={**metadata, "request_limits": describe(generation_settings(cfg))},
             python_model=str(Path(__file__).with_name("video_pyfunc.py")),  # models from code
             artifacts={ADAPTER_ARTIFACT: str(adapter_dir), "settings": str(settings)},
             signature=video_signature(cfg),

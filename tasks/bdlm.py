@@ -49,8 +49,16 @@ DIGITS_CACHE = Cache(version="digits-v1")
 
 @task(container_image=CPU_IMAGE)
 @user_errors
-def resolve_bdlm_config(config: BDLMConfig, overrides: list[str]) -> BDLMConfig:
-    return BDLMConfig.from_dict(apply_overrides(config.to_dict(), overrides))
+def resolve_bdlm_config(config: BDLMConfig, overrides: list[str], checkpoint_dir: str = "") -> BDLMConfig:
+    """The validated config; an object-store ``checkpoint_dir`` this task has no credentials for fails
+    here, in one line naming it (``storage.check_store_access``), not inside training."""
+    from diffusionrl.storage import check_run_folder, check_store_access
+
+    cfg = BDLMConfig.from_dict(apply_overrides(config.to_dict(), overrides))
+    if checkpoint_dir:
+        check_run_folder(checkpoint_dir)
+        check_store_access(checkpoint_dir, "checkpoint_dir")
+    return cfg
 
 
 @task(**CPU_TASK, secret_requests=MLFLOW)
@@ -143,12 +151,12 @@ def train_bdlm(config: BDLMConfig, run: TrackingRun, init_model: FlyteDirectory,
         raise RuntimeError(f"the digit task generator no longer reproduces the prepared data (digest {data_digest}); "
                            "bump prepare_digits' cache version")
     allow_change = config_change_allowed(on_config_change)  # a bad value fails before anything starts
-    folder, resume = open_run_folder(stage_dir(checkpoint_dir, "grpo"))
-    stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
-    logger = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
-    callbacks = [*run_callbacks(folder, config.grpo.keep_checkpoints), logger]
-    result = train_grpo(config, folder.local, init_model.download(), resume=resume, callbacks=callbacks,
-                        allow_config_change=allow_change)
+    with open_run_folder(stage_dir(checkpoint_dir, "grpo")) as (folder, resume):  # owned until training ends
+        stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
+        logger = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
+        callbacks = [*run_callbacks(folder, config.grpo.keep_checkpoints), logger]
+        result = train_grpo(config, folder.local, init_model.download(), resume=resume, callbacks=callbacks,
+                            allow_config_change=allow_change)
     tracking.finish_quietly(run, stage)
     return BDLMTrainOutputs(FlyteDirectory(str(result.model_dir)), FlyteDirectory(folder.uri_of("traces")),
                             pd.DataFrame(result.metrics), folder.uri)

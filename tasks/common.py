@@ -149,16 +149,26 @@ def flyte_checkpoint():
         return None
 
 
+@contextlib.contextmanager
 def open_run_folder(uri: str):
-    """The train stage's ``RunFolder`` and the checkpoint to resume from.
+    """Inside: the train stage's ``RunFolder`` and the checkpoint to resume from, ``(folder, resume)``,
+    while this attempt owns the run folder.
 
     A retried attempt finds the run folder of the attempt before it in the execution's Flyte
     checkpoint (``run.json``: one small file, so it is never half-written) and resumes from that
     folder's published checkpoint; otherwise the folder is ``uri`` and the run resumes from its
     latest checkpoint, if any (a re-launched execution with the same ``checkpoint_dir``). The
     pointer is saved again at once: an attempt only sees the previous attempt's checkpoint.
+
+    The folder is owned (``runlock.hold_run_folder``: an object store's lease, renewed while the
+    attempt runs, or a local folder's lock) from before the resume point is read until the block
+    ends, so a second execution with the same ``checkpoint_dir`` fails in one line naming the first
+    instead of writing the folder too; the loop inside re-enters the hold for the staging folder. A
+    lease left by a previous attempt of this execution (preempted: it could not release it) is
+    waited for until it expires (``runlock.LEASE_TTL_S``).
     """
     from diffusionrl.checkpoint import latest_checkpoint
+    from diffusionrl.runlock import hold_run_folder
     from diffusionrl.storage import RunFolder
 
     cp = flyte_checkpoint()
@@ -169,11 +179,13 @@ def open_run_folder(uri: str):
         log.info("retried attempt: continuing the run folder %s", uri)
     staging = Path(current_context().working_directory) / "run"
     folder = RunFolder(uri, staging=staging)
-    save_run_pointer(folder)
-    resume = folder.pull() if folder.remote else latest_checkpoint(folder.local / "checkpoints")
-    if resume is not None:
-        log.info("resuming from %s", resume)
-    return folder, resume
+    execution = {"execution": tracking_execution_id()}
+    with hold_run_folder(folder.uri, local=folder.local, tags=execution, wait_for=execution):
+        save_run_pointer(folder)
+        resume = folder.pull() if folder.remote else latest_checkpoint(folder.local / "checkpoints")
+        if resume is not None:
+            log.info("resuming from %s", resume)
+        yield folder, resume
 
 
 def save_run_pointer(folder, step: int | None = None) -> None:

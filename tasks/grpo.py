@@ -70,18 +70,25 @@ METRICS_FLUSH_S = 10.0
 
 @task(container_image=CPU_IMAGE)
 @user_errors
-def resolve_config(config: Config, overrides: list[str], sft_steps: int, sft_overrides: list[str]) -> Config:
+def resolve_config(config: Config, overrides: list[str], sft_steps: int, sft_overrides: list[str],
+                   checkpoint_dir: str = "") -> Config:
     """Apply dotted ``key=value`` overrides and re-validate the whole tree, and the warm start's config
     when there is one (``sft_steps`` > 0), so a mistake in it fails here, before any data or weights are
     fetched. (A partial tree was laid over its preset and unknown keys rejected before this body runs,
-    when flytekit decoded the input: ``ConfigTree.__pre_deserialize__``.)"""
+    when flytekit decoded the input: ``ConfigTree.__pre_deserialize__``.) The inputs that need no model
+    are checked here too (``training.preflight.check_early``): an object-store ``checkpoint_dir`` this
+    task has no credentials for, a missing or malformed ``algorithm.sft_source``, an ``init_lora``
+    that is not a LoRA."""
+    from diffusionrl.training.preflight import check_early
+
     cfg = Config.from_dict(apply_overrides(config.to_dict(), overrides))
     if sft_steps < 0:
         raise ConfigError(f"sft_steps={sft_steps}: must be >= 0 (0 = no warm start)")
     if sft_steps > 0:
         from diffusionrl.train import sft_config
 
-        sft_config(cfg, sft_steps, sft_overrides)
+        check_early(sft_config(cfg, sft_steps, sft_overrides))
+    check_early(cfg, checkpoint_dir)
     return cfg
 
 
@@ -185,6 +192,7 @@ class Checkpoint(NamedTuple):
 
 @task(cache=FETCH_CACHE, **CPU_TASK, secret_requests=secrets("hf"), timeout=TIMEOUTS["fetch"], retries=2,
       requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="80Gi"))
+@user_errors
 def fetch_checkpoint(reference: str, revision: str) -> Checkpoint:
     """Model reference -> diffusers folder + digest. ``HF_TOKEN`` comes from the environment (or a
     Flyte secret mounted as that variable) and only ever reaches the hub client."""
@@ -217,13 +225,13 @@ def sft(config: Config, sft_steps: int, sft_overrides: list[str], model_dir: Fly
 
     allow_change = config_change_allowed(on_config_change)
     sft_cfg = sft_config(config, sft_steps, sft_overrides)
-    folder, resume = open_run_folder(stage_dir(checkpoint_dir, "sft"))
-    stage = open_train_stage(run, folder.uri, config.tracking.log_retries, name="sft")
-    metrics_cb = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
-    with retryable_faults():
-        result = run_training(sft_cfg, folder.local, resume=resume, model_path=model_dir.download(),
-                              callbacks=[*run_callbacks(folder, sft_cfg.train.keep_checkpoints), metrics_cb],
-                              allow_config_change=allow_change)
+    with open_run_folder(stage_dir(checkpoint_dir, "sft")) as (folder, resume):  # owned until the stage ends
+        stage = open_train_stage(run, folder.uri, config.tracking.log_retries, name="sft")
+        metrics_cb = tracking.MetricLogger(run.uri, stage, attempts=config.tracking.log_retries)
+        with retryable_faults():
+            result = run_training(sft_cfg, folder.local, resume=resume, model_path=model_dir.download(),
+                                  callbacks=[*run_callbacks(folder, sft_cfg.train.keep_checkpoints), metrics_cb],
+                                  allow_config_change=allow_change)
     lora = folder.uri_of(Path(result.model_dir).relative_to(folder.local).as_posix())
     tracking.set_tags(run, {"warm_start_lora": lora}, also=[stage])
     tracking.finish_quietly(run, stage)
@@ -263,20 +271,21 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     from diffusionrl.trajectory_writer import TrajectoryWriter
 
     allow_change = config_change_allowed(on_config_change)  # a bad value fails before anything starts
-    folder, resume = open_run_folder(stage_dir(checkpoint_dir))
-    # each step's Parquet file, written off the training thread; flushed and verified at checkpoints
-    trajectories = TrajectoryWriter(folder.local / "trajectories", run.execution_id, config.train.save_latents)
-    prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
-    stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
-    metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
-                                       attempts=config.tracking.log_retries, flush_every_s=METRICS_FLUSH_S)
-    # algorithm.name=sft (a preset of its own) makes no rollouts: its trajectory folder stays empty
-    writers = [trajectories] if config.algorithm.name != "sft" else []
-    (folder.local / "trajectories").mkdir(parents=True, exist_ok=True)
-    callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, *writers), metrics_cb]
-    with retryable_faults():
-        result = run_training(config, folder.local, resume=resume, prompts=prompts, model_path=model_dir.download(),
-                              callbacks=callbacks, allow_config_change=allow_change)
+    with open_run_folder(stage_dir(checkpoint_dir)) as (folder, resume):  # owned until training ends
+        # each step's Parquet file, written off the training thread; flushed and verified at checkpoints
+        trajectories = TrajectoryWriter(folder.local / "trajectories", run.execution_id, config.train.save_latents)
+        prompts = PromptSet(rows_from_frame(train_prompts), rows_from_frame(test_prompts), "flyte")
+        stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
+        metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
+                                           attempts=config.tracking.log_retries, flush_every_s=METRICS_FLUSH_S)
+        # algorithm.name=sft (a preset of its own) makes no rollouts: its trajectory folder stays empty
+        writers = [trajectories] if config.algorithm.name != "sft" else []
+        (folder.local / "trajectories").mkdir(parents=True, exist_ok=True)
+        callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, *writers), metrics_cb]
+        with retryable_faults():
+            result = run_training(config, folder.local, resume=resume, prompts=prompts,
+                                  model_path=model_dir.download(), callbacks=callbacks,
+                                  allow_config_change=allow_change)
     tracking.finish_quietly(run, stage)
     lora = result.extra_dirs.get("ema", result.model_dir) if config.eval.use_ema else result.model_dir
     return TrainOutputs(FlyteDirectory(str(lora)), FlyteDirectory(folder.uri_of("trajectories")),

@@ -63,8 +63,13 @@ def base_env(home: Path, tmp: Path, **extra: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "PYTHONUNBUFFERED": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
-        # Ray >= 2.5x enables token auth for `ray start`; a KubeRay cluster without auth is the model.
+        # Ray >= 2.5x enables token auth for `ray start`; a KubeRay cluster without auth is the model
+        # (its nodes listen on loopback only here: RAY_START).
         "RAY_AUTH_MODE": "disabled",
+        # A driver joining 127.0.0.1:port keeps that address: Ray maps loopback to the host's
+        # reachable address unless multi-node clusters are off (see RAY_START), and the nodes listen
+        # on loopback only.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
     }
@@ -278,6 +283,21 @@ def wait_mlflow(url: str, svc: Service) -> None:
     wait_until("mlflow server /health", lambda: http_ok(f"{url}/health"), 120, [svc])
 
 
+# `ray start`, but every node of this one-host cluster listens on 127.0.0.1 only (with
+# --node-ip-address 127.0.0.1): Ray replaces a loopback node or GCS address with the host's reachable
+# one for multi-node clusters (ray._private.services.resolve_ip_for_localhost), which would make each
+# server listen on every interface. Ray's own multi-node tests run their nodes on 127.0.0.1 too
+# (ray.cluster_utils.Cluster); multi-node is switched back on here, base_env switches it off for drivers.
+RAY_START = """
+import sys
+from ray._private import ray_constants, services
+services.resolve_ip_for_localhost = lambda host: host
+ray_constants.ENABLE_RAY_CLUSTER = True
+from ray.scripts.scripts import main
+sys.argv[0] = "ray"
+sys.exit(main())
+"""
+
 RAY_CHECK = """
 import json, sys, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
@@ -288,12 +308,11 @@ print(json.dumps({"nodes": len(alive), "resources": ray.cluster_resources()}))
 
 def start_ray(root: Path, started: list[Service]) -> str:
     """A head (2 CPUs) and a second node process (1 CPU + ``reward-cpu``), each with its own temp
-    dir; returns the head's address. Ray advertises the machine's address for 127.0.0.1 (it maps
-    loopback to the node IP for multi-node clusters); the task reaches it as 127.0.0.1:port."""
+    dir, every server on loopback (``RAY_START``); returns the head's address, 127.0.0.1:port."""
     port = free_port()
-    ray = str(VENV_BIN / "ray")
+    ray = [sys.executable, "-c", RAY_START]
     common = ["--block", "--num-cpus", "{cpus}", "--disable-usage-stats", "--object-store-memory", str(200 * 2**20),
-              "--dashboard-agent-listen-port", "{agent}", "--temp-dir", "{temp}"]
+              "--dashboard-agent-listen-port", "{agent}", "--temp-dir", "{temp}", "--node-ip-address", "127.0.0.1"]
     services = []
     for name, extra, cpus in (
         ("ray head", ["--head", "--port", str(port), "--include-dashboard=false",
@@ -305,7 +324,7 @@ def start_ray(root: Path, started: list[Service]) -> str:
         temp.mkdir(parents=True)
         args = [a.format(cpus=cpus, agent=free_port(), temp=temp) for a in common]
         env = base_env(d / "home", d / "tmp", HF_HUB_OFFLINE="1")
-        svc = spawn(name, [ray, "start", *extra, *args], env, d, d / "ray.log", marker=str(temp))
+        svc = spawn(name, [*ray, "start", *extra, *args], env, d, d / "ray.log", marker=str(temp))
         svc.term_wait = 3  # `ray start --block` does not always exit on SIGTERM
         services.append(svc)
         started.append(svc)

@@ -70,11 +70,11 @@ class ToyBackend:
         pass
 
 
-def toy(out_dir, steps=3, keep=0, progress=False, **train):
+def toy(out_dir, steps=3, keep=0, progress=False, inputs=None, **train):
     config = {"train": {"steps": steps, "learning_rate": 1e-2, "seed": 0, **train}, "data": {"source": "a.jsonl"},
               "eval": {"num_prompts": 2}, "preset": "toy"}
     return RunLoop(ToyBackend(config, out_dir), out_dir, Schedule(steps, 1, keep), config, progress=progress,
-                   free_keys=FREE)
+                   free_keys=FREE, **({"inputs": inputs} if inputs is not None else {}))
 
 
 def weights(loop):
@@ -186,6 +186,32 @@ def test_a_new_checkpoint_that_lost_its_manifest_is_damaged(tmp_path):
         load_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("copied", [[], ["lora.safetensors", "optimizer.safetensors"]])
+def test_an_empty_or_half_copied_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, full, caplog, copied):
+    """A ``step-N/`` with neither state.json nor manifest.json (an interrupted copy, a mkdir) is
+    damaged like any other: skipped with one warning, not a FileNotFoundError for every resume."""
+    run = tmp_path / "part"
+    toy(run).run(resume=None, stop_after=2)
+    ckpts = run / "checkpoints"
+    (ckpts / "step-000003").mkdir()
+    for name in copied:
+        (ckpts / "step-000003" / name).write_bytes((ckpts / "step-000002" / name).read_bytes())
+    caplog.set_level(logging.WARNING)
+    assert latest_checkpoint(ckpts).name == "step-000002"
+    resumed = toy(run)
+    assert resumed.run(resume="auto").steps_done == 3 and same(weights(resumed), full)
+    skipped = warnings_about(caplog, "skipping damaged checkpoint step-000003")
+    assert skipped and all("no state.json and no manifest.json" in w for w in skipped)
+    load_checkpoint(ckpts / "step-000003")  # rewritten whole by the resumed run
+
+
+def test_only_empty_checkpoints_fail_in_one_line_instead_of_a_traceback(tmp_path):
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*step-000001: no state.json") as err:
+        toy(tmp_path).run(resume="auto")
+    assert "\n" not in str(err.value)
+
+
 # -- case 9: a fresh run in a folder holding another run -------------------------------------------
 
 
@@ -249,6 +275,38 @@ def test_a_checkpoint_without_a_recorded_config_is_compared_with_config_json(tmp
     as_legacy(tmp_path / "checkpoints" / "step-000001")
     with pytest.raises(ConfigChanged, match="train.learning_rate"):
         toy(tmp_path, steps=2, learning_rate=0.5).run(resume="auto")
+
+
+# -- the data behind an unchanged path ------------------------------------------------------------
+
+
+def test_changed_input_data_behind_an_unchanged_path_fails_naming_the_input(tmp_path):
+    """Same config (same data.source), other prompts in the file: refused like a config change."""
+    toy(tmp_path, steps=1, inputs={"prompts": "aaaa", "init_lora": "cccc"}).run(resume=None)
+    assert load_checkpoint(tmp_path / "checkpoints" / "step-000001").inputs == {"prompts": "aaaa", "init_lora": "cccc"}
+    with pytest.raises(ConfigChanged) as err:
+        toy(tmp_path, steps=2, inputs={"prompts": "bbbb", "init_lora": "cccc"}).run(resume="auto")
+    message = str(err.value)
+    assert "\n" not in message and 'inputs.prompts "aaaa" -> "bbbb"' in message and "init_lora" not in message
+    assert "rewritten" in message and "--allow-config-change" in message
+    assert not (tmp_path / "config_changes.jsonl").exists()
+    assert toy(tmp_path, steps=2, inputs={"prompts": "aaaa", "init_lora": "cccc"}).run(resume="auto").steps_done == 2
+
+
+def test_an_allowed_data_change_is_recorded_and_becomes_the_new_baseline(tmp_path, caplog):
+    toy(tmp_path, steps=1, inputs={"prompts": "aaaa"}).run(resume=None)
+    caplog.set_level(logging.WARNING)
+    toy(tmp_path, steps=2, inputs={"prompts": "bbbb"}).run(resume="auto", allow_config_change=True)
+    [row] = [json.loads(x) for x in (tmp_path / "config_changes.jsonl").read_text().splitlines()]
+    assert row["checkpoint"] == "step-000001" and row["changes"] == {"inputs.prompts": {"old": "aaaa", "new": "bbbb"}}
+    assert len(warnings_about(caplog, "changed settings")) == 1
+    assert load_checkpoint(tmp_path / "checkpoints" / "step-000002").inputs == {"prompts": "bbbb"}
+    assert toy(tmp_path, steps=3, inputs={"prompts": "bbbb"}).run(resume="auto").steps_done == 3
+
+
+def test_a_checkpoint_without_input_digests_is_not_compared(tmp_path):
+    toy(tmp_path, steps=1).run(resume=None)  # recorded no inputs (as checkpoints before digests)
+    assert toy(tmp_path, steps=2, inputs={"prompts": "bbbb"}).run(resume="auto").steps_done == 2
 
 
 # -- metrics.jsonl ---------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ def ray_cluster():
     # Logical CPUs: 2 bundles x 1 CPU for the ranks, plus room for reward actors.
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        from diffusionrl.raycluster import start_local_ray
+
+        start_local_ray(4, log_to_driver=False)  # on loopback, as a run starts it
     yield
     if started:
         ray.shutdown()

@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 def one_cpu():
     if ray.is_initialized():  # another module's Ray: this module needs its own, of 1 CPU
         ray.shutdown()
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    raycluster.start_local_ray(1, log_to_driver=False)  # on loopback, as a run starts it
     yield
     ray.shutdown()
 

@@ -62,3 +62,25 @@ def test_an_allowed_learning_rate_change_reaches_the_optimizer(tmp_path):
     assert loop.backend.worker.trainer.lr() == 0.5
     row = json.loads((tmp_path / "config_changes.jsonl").read_text())
     assert row["changes"] == {"train.learning_rate": {"old": 0.01, "new": 0.5}} and row["step"] == 1
+
+
+def test_a_prompt_file_rewritten_at_the_same_path_is_refused_on_resume_and_recorded_when_allowed(tmp_path, capsys):
+    """The config is unchanged (same data.source) but the file holds other prompts: the resume
+    compares the prompts' digest recorded in the checkpoint, not the path."""
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "run"
+    prompts.write_text("".join(f"a red cube number {i}\n" for i in range(12)))
+    overrides = TINY_OVERRIDES + [f"data.source={prompts}", "train.group_size=2", "train.micro_batch_size=2",
+                                  "sampling.num_steps=3", "sampling.window_range=[0, 2]", "eval.num_steps=3",
+                                  "eval.every=0"]
+    args = ["--preset", "tiny-cpu", "--out", str(out)] + [a for o in overrides for a in ("--set", o)]
+    assert main(args + ["--steps", "1"]) == 0
+    digest = json.loads((out / "checkpoints" / "step-000001" / "state.json").read_text())["inputs"]["prompts"]
+    prompts.write_text("".join(f"a blue sphere number {i}\n" for i in range(12)))
+    capsys.readouterr()
+    assert main(args + ["--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: cannot resume from") and f'inputs.prompts "{digest}" -> "' in err
+    assert not (out / "checkpoints" / "step-000002").exists()
+    assert main(args + ["--steps", "2", "--allow-config-change"]) == 0
+    [row] = [json.loads(x) for x in (out / "config_changes.jsonl").read_text().splitlines()]
+    assert list(row["changes"]) == ["inputs.prompts"] and row["changes"]["inputs.prompts"]["old"] == digest

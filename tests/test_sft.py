@@ -59,6 +59,31 @@ def test_sources_folder_parquet_and_builtin(tmp_path):
         load_image_pairs(str(tmp_path / "bad.parquet"), 32)
 
 
+def test_an_image_folder_index_cannot_name_files_outside_the_folder(tmp_path):
+    """prompts.jsonl rows naming ../x.png, an absolute path or a link out of the folder are refused
+    (naming file and line) instead of read and trained on."""
+    (tmp_path / "outside").mkdir()
+    secret = tmp_path / "outside" / "x.png"
+    secret.write_bytes(_png((9, 9, 9)))
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "ok.png").write_bytes(_png((255, 0, 0)))
+    (folder / "sub").mkdir()
+    (folder / "sub" / "in.png").write_bytes(_png((0, 255, 0)))
+    (folder / "link.png").symlink_to(secret)
+    cases = {"../outside/x.png": "outside the dataset folder", str(secret): "is an absolute path",
+             "sub/../../outside/x.png": "outside the dataset folder", "link.png": "outside the dataset folder"}
+    for name, why in cases.items():
+        (folder / "prompts.jsonl").write_text(json.dumps({"image": "ok.png", "prompt": "red"}) + "\n"
+                                              + json.dumps({"image": name, "prompt": "leak"}) + "\n")
+        with pytest.raises(PromptDataError, match=rf"prompts.jsonl:2: image '.*' .*{why}") as err:
+            load_image_pairs(str(folder), 16)
+        assert "\n" not in str(err.value)
+    (folder / "prompts.jsonl").write_text(json.dumps({"image": "sub/../sub/in.png", "prompt": "green"}))
+    (row,) = load_image_pairs(str(folder), 16)  # a path that stays inside is fine
+    assert tuple(row["image"][8, 8]) == (0, 255, 0)
+
+
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
     lp = build_loop(tiny_config(preset=SFT), tmp_path_factory.mktemp("sft"), progress=False)
@@ -125,7 +150,7 @@ def test_sft_trains_two_steps_resumes_only_as_sft_and_warm_starts_rl(tmp_path):
     start = get_peft_model_state_dict(rl.backend.worker.policy.model)
     assert all(torch.equal(start[k], sft_lora[k]) for k in sft_lora)
     rl.close()
-    with pytest.raises(FileNotFoundError, match="memory://sft-test/nothing: no files there"):
+    with pytest.raises(ConfigError, match="init_lora=memory://sft-test/nothing: no adapter_model.safetensors there"):
         build_loop(tiny_config("algorithm.init_lora=memory://sft-test/nothing"), tmp_path / "rl3", progress=False)
     again = train_sft(tiny_config("train.steps=1"), tmp_path / "again", source="builtin:shapes:16", resume=None)
     assert again.steps_done == 1
@@ -136,7 +161,7 @@ def test_configuration_fails_closed(tmp_path):
         tiny_config("algorithm.sft_source=", preset=SFT)
     with pytest.raises(ConfigError, match="world_size"):
         tiny_config("train.world_size=2", "train.prompts_per_step=4", preset=SFT)
-    with pytest.raises(FileNotFoundError, match="init_lora"):
+    with pytest.raises(ConfigError, match="init_lora=.* is not a LoRA folder"):  # before the model loads
         build_loop(tiny_config(f"algorithm.init_lora={tmp_path}"), tmp_path / "x", progress=False)
 
 

@@ -138,6 +138,22 @@ def test_merged_weights_equal_peft_merge(tiny_adapter):
 
 
 @requires_sglang
+def test_the_server_listens_on_loopback_only(stack):
+    """HTTP, the scheduler, gloo and torch.distributed's store of the server and its ranks: nothing
+    on another interface (tests/test_local_servers.py checks the store's launcher without SGLang)."""
+    import psutil
+
+    engine = stack[3]
+    root = psutil.Process(engine.server.pid)
+    listening = [(p.pid, p.name(), c.laddr.ip, c.laddr.port) for p in [root, *root.children(recursive=True)]
+                 for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert ("127.0.0.1", engine.server.port) in {(ip, port) for _, _, ip, port in listening}
+    assert ("127.0.0.1", engine.server.master_port) in {(ip, port) for _, _, ip, port in listening}
+    exposed = [row for row in listening if row[2] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert not exposed, f"listening beyond loopback (pid, process, address, port): {exposed}"
+    assert f"torch.distributed store on 127.0.0.1:{engine.server.master_port}" in engine.server.log_path.read_text()
+
+
 def test_trajectory_shapes(stack):
     _, adapter, _, engine = stack
     prompts, groups, seeds = batch()

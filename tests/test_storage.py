@@ -1,6 +1,7 @@
-"""Run folders on an object store (fsspec ``memory://`` here; ``s3://`` in tests/test_cluster.py):
-atomic checkpoint publishing, pulling on another machine, and a run interrupted on one machine and
-resumed on another that ends where the uninterrupted run ends."""
+"""Run folders on an object store (fsspec ``memory://`` here, allowed by the test-only
+``DIFFUSIONRL_ALLOW_MEMORY_STORE=1``; ``s3://`` in tests/test_cluster.py): atomic checkpoint
+publishing, pulling on another machine, and a run interrupted on one machine and resumed on another
+that ends where the uninterrupted run ends. Without the switch a ``memory://`` run folder is refused."""
 
 from __future__ import annotations
 
@@ -12,9 +13,42 @@ import torch
 
 from diffusionrl.callbacks import Callback
 from diffusionrl.manifest import write_manifest
-from diffusionrl.storage import POINTER, RunFolder, SyncRunFolder, is_remote
+from diffusionrl.storage import ALLOW_MEMORY_ENV, POINTER, RunFolder, RunFolderError, SyncRunFolder, is_remote
 
 from .conftest import saved_lora, tiny_config
+
+
+@pytest.fixture(autouse=True)
+def memory_store():
+    """These tests play several machines in one process on fsspec's memory store (a patch of its own:
+    a test's ``monkeypatch.undo()`` keeps it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ALLOW_MEMORY_ENV, "1")
+        yield
+
+
+def test_a_process_local_store_is_refused_as_a_run_folder(monkeypatch, tmp_path):
+    """A memory:// run folder vanished with the process while the run exited 0 and MLflow recorded it."""
+    monkeypatch.delenv(ALLOW_MEMORY_ENV)
+    for uri in ("memory://runs/x", "simplecache::memory://runs/x"):
+        with pytest.raises(RunFolderError, match=r"memory:// is a store inside this process") as err:
+            RunFolder(uri, staging=tmp_path / "a")
+        assert "\n" not in str(err.value) and uri in str(err.value)
+    assert RunFolder(tmp_path / "local").local == tmp_path / "local"  # local folders and object stores are fine
+
+
+def test_train_refuses_a_uri_as_its_output_folder_in_one_line(monkeypatch, tmp_path, capsys):
+    """``train --out memory://x`` wrote a local folder named ``memory:/x`` and exited 0."""
+    from diffusionrl.train import main
+
+    monkeypatch.delenv(ALLOW_MEMORY_ENV)
+    monkeypatch.chdir(tmp_path)
+    for out, why in (("memory://runs/x", "memory:// is a store inside this process"),
+                     ("s3://bucket/runs/x", "training writes a local folder, not a URI")):
+        assert main(["--out", out, "--set", "train.steps=1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err
+    assert list(tmp_path.iterdir()) == []  # no local "memory:" or "s3:" folder
 
 
 def store_uri() -> str:

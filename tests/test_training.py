@@ -108,6 +108,8 @@ def test_ocr_recipe_runs_end_to_end_with_the_ray_actor_pool(tmp_path):
     """tiny-cpu-ocr: OCR prompts, the OCR reward scored by 2 Ray CPU actors, 2 steps."""
     from diffusionrl.rewards.pool import RewardActorPool
 
+    # The tiny model writes no text on a CPU (every OCR reward is 0, no update to make): the preset
+    # turns the idle-update guard off (train.max_idle_steps=0); this test is about the plumbing.
     cfg = tiny_config("train.steps=2", "sampling.resolution=64", preset="tiny-cpu-ocr")
     loop = build_loop(cfg, tmp_path, progress=False)
     try:

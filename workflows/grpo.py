@@ -92,7 +92,8 @@ class GRPOOutputs(NamedTuple):
 @workflow(on_failure=on_grpo_failure)  # marks the execution's open MLflow runs FAILED
 def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "",  # noqa: B006
          on_config_change: str = "fail", sft_steps: int = 0, sft_overrides: list[str] = []) -> GRPOOutputs:  # noqa: B006
-    given = resolve_config(config=config, overrides=overrides, sft_steps=sft_steps, sft_overrides=sft_overrides)
+    given = resolve_config(config=config, overrides=overrides, sft_steps=sft_steps, sft_overrides=sft_overrides,
+                           checkpoint_dir=checkpoint_dir)  # also the run folder's store, sft_source, init_lora
     run = start_run(config=given)  # MLflow preflight: fails before any data or weights are fetched
     prompts = prepare_prompts(data=given.data, reward=given.reward, fingerprint=fingerprint_prompts(data=given.data))
     model = fetch_checkpoint(reference=given.model.name, revision=given.model.revision)

@@ -4,7 +4,9 @@
 returns ``["1234", "079"]`` for a model that learnt the task (greedy decoding with the run's block size,
 generation length and evaluation threshold). The model folder (``bdlm_model.json`` + weights) is an
 artifact of the MLflow model, and the decoding settings are its ``decoding.json``, so nothing outside
-the artifact is needed.
+the artifact is needed. ``predict`` refuses, in one line, a request outside ``request_limits``
+(1 to 64 prompts of at most 1000 characters, ``threshold`` in (0, 1]; the model's ``request_limits``
+metadata) before it decodes anything.
 """
 
 from __future__ import annotations
@@ -30,17 +32,14 @@ class BDLMDecoder(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None) -> list[str]:
         import torch
 
+        from diffusionrl.request_limits import check_params, prompts_of
+
         from .sampler import decode
         from .task import Example, encode_prompts, parse_answer
 
-        if isinstance(model_input, pd.DataFrame):
-            prompts = model_input["prompt" if "prompt" in model_input else model_input.columns[0]].tolist()
-        elif isinstance(model_input, str):
-            prompts = [model_input]
-        else:
-            prompts = list(model_input)
-        s = {**self.settings, **(params or {})}
-        ids = encode_prompts([Example(str(p), "") for p in prompts], s["prompt_length"], self.adapter.vocab)
+        prompts = prompts_of(model_input)
+        s = {**self.settings, **check_params(params)}
+        ids = encode_prompts([Example(p, "") for p in prompts], s["prompt_length"], self.adapter.vocab)
         with torch.no_grad():
             out = decode(self.adapter, ids, gen_length=s["gen_length"], block_size=s["block_size"],
                          temperature=s["temperature"], threshold=float(s["threshold"]), seeds=None)
@@ -63,6 +62,8 @@ def log_bdlm_model(run, cfg, model_dir: str | Path, example_prompt: str, metadat
     from mlflow.types import DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import ColSpec
 
+    from diffusionrl.request_limits import describe
+
     mlflow.set_tracking_uri(run.uri)
     mlflow.set_registry_uri(run.uri)
     mlflow.set_experiment(experiment_id=run.experiment_id)
@@ -80,7 +81,7 @@ def log_bdlm_model(run, cfg, model_dir: str | Path, example_prompt: str, metadat
             name="bdlm",
             flavor=mlflow.pyfunc,
             run_id=run.run_id,
-            metadata=metadata,
+            metadata={**metadata, "request_limits": describe(["threshold"])},
             python_model=str(Path(__file__).with_name("pyfunc_model.py")),  # models from code
             artifacts={"model": str(model_dir), "decoding": str(decoding)},
             signature=signature,

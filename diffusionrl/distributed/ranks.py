@@ -47,6 +47,9 @@ class RankGroup:
                 f"train.world_size={cfg.train.world_size} supports algorithm.name=flow_grpo today, not "
                 f"{cfg.algorithm.name!r}; train {cfg.algorithm.name} with world_size=1"
             )
+        from diffusionrl.training.preflight import check_inputs
+
+        check_inputs(cfg, model_path)  # here, in one line, not as a traceback from every rank's actor
         self.cfg = cfg
         tc = cfg.train
         ensure_ray(max(2, tc.world_size * tc.cpus_per_bundle + cfg.reward.num_actors))

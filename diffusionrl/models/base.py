@@ -47,6 +47,37 @@ def hf_token() -> str | None:
     return os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
 
 
+def dtype_kwargs(dtype: torch.dtype) -> dict:
+    """A pipeline ``from_pretrained``'s dtype argument under the name this diffusers reads:
+    ``dtype`` where diffusers has renamed it (0.42 turns ``torch_dtype`` into a FutureWarning on every
+    load; ``deprecation_utils._resolve_dtype`` is what maps the old name), else ``torch_dtype``."""
+    try:
+        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401
+    except ImportError:
+        return {"torch_dtype": dtype}
+    return {"dtype": dtype}
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """Inside: diffusers' and transformers' own tqdm bars are off ("Loading pipeline components",
+    "Loading weights", "Writing model shards"): several bars per load or save, on every run, for
+    steps that take milliseconds with the tiny models and say nothing a log line would not. Hub
+    downloads (huggingface_hub's bars) keep theirs. The previous settings come back on exit."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    was = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
+    for m, _ in was:
+        m.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for m, enabled in was:
+            if enabled:
+                m.enable_progress_bar()
+
+
 def module_digest(modules: dict[str, torch.nn.Module]) -> str:
     """sha256 over every named tensor (name, dtype, shape, bytes) of the given modules."""
     h = hashlib.sha256()
@@ -136,7 +167,10 @@ class FlowAdapter:
         """The latent shape of one sample: ``latent_shape`` for an image family (``num_frames`` must
         be 1); a video family (``video = True``) overrides it with ``(C, F', H, W)``."""
         if num_frames != 1:
-            raise ValueError(f"{self.family} makes images: sampling.num_frames must be 1, got {num_frames}")
+            from diffusionrl.configtree import ConfigError
+
+            raise ConfigError(f"sampling.num_frames={num_frames}, but {self.family} makes images: set "
+                              "sampling.num_frames=1")
         return self.latent_shape(resolution)
 
     def _timestep_kwargs(self, num_steps: int, resolution: int | None) -> dict:

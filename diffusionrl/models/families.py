@@ -4,16 +4,27 @@ The family of a reference is read, never guessed from its name: a ``builtin:tiny
 its adapter's ``builtin``; a local folder's ``model_index.json`` and a hub id's (fetched alone, at
 ``revision`` with ``HF_TOKEN``) name the diffusers pipeline class (``_class_name``), which names
 the adapter (``pipeline_class``). Adding a family: its adapter class in ``ADAPTERS``.
+
+A reference is checked before any weights load (``local_folder``, ``check_model``): a mistyped
+folder is "no such folder", never an invalid hub id; a folder without ``model_index.json``, with an
+unknown pipeline class, a missing component folder or a truncated ``.safetensors`` file, a hub id the
+hub does not know, and ``sampling.num_frames`` > 1 for an image family are each one line
+(``ModelReferenceError``, a ``UserError``) naming the reference and the fix, instead of the
+loader's traceback minutes later.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 
 import torch
 
-from .base import DTYPES, FlowAdapter, hf_token, resolve_device
+from diffusionrl.errors import UserError
+
+from .base import DTYPES, FlowAdapter, dtype_kwargs, hf_token, no_progress_bars, resolve_device
 from .flux import FluxAdapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
@@ -22,8 +33,170 @@ from .wan import WanAdapter
 ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter)
 
 
-class UnknownModelFamily(ValueError):
+class ModelReferenceError(UserError):
+    """A model reference (``model.name``, a fetched folder) that names nothing loadable."""
+
+    kind = "model error"
+
+
+class UnknownModelFamily(ModelReferenceError):
     """The reference's pipeline class (or builtin name) has no adapter."""
+
+
+def looks_like_path(reference: str) -> bool:
+    """Whether ``reference`` is meant as a local folder rather than a hub id (``org/name``): it
+    starts like a path (``/``, ``./``, ``../``, ``~``), has more than one ``/``, ends with one, holds
+    the platform's separator where that is not ``/``, or its first part is a local folder."""
+    if reference.startswith(("/", "./", "../", "~", ".\\", "..\\")) or reference in (".", ".."):
+        return True
+    if reference.count("/") > 1 or reference.endswith("/") or (os.sep != "/" and os.sep in reference):
+        return True
+    return "/" in reference and Path(reference.split("/", 1)[0]).is_dir()
+
+
+def local_folder(reference: str, key: str = "model.name") -> Path | None:
+    """The local diffusers folder ``reference`` names (checked to hold a ``model_index.json``), or
+    None for a builtin name or a hub id (checked to be one). ``key`` names the setting in errors."""
+    if reference.startswith("builtin:"):
+        return None
+    path = Path(reference).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelReferenceError(f"{key}={reference!r} is a file; give the diffusers pipeline folder that "
+                                      "holds model_index.json")
+        if not (path / "model_index.json").is_file():
+            inner = sorted(p.parent for p in path.glob("*/model_index.json"))
+            hint = f"; did you mean {str(inner[0])!r}?" if inner else (
+                "; give the folder a pipeline's save_pretrained wrote (model_index.json beside its component folders)")
+            raise ModelReferenceError(f"{key}={reference!r} is not a diffusers pipeline folder: no model_index.json "
+                                      f"there{hint}")
+        return path
+    if looks_like_path(reference):
+        raise ModelReferenceError(f"{key}={reference!r}: no such folder; fix the path, or give a hub id (org/name) "
+                                  f"or one of {builtin_names()}")
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(reference)
+    except HFValidationError:
+        raise ModelReferenceError(f"{key}={reference!r} is neither a local folder (none there) nor a hub id "
+                                  f"(org/name); fix it, or use one of {builtin_names()}") from None
+    return None
+
+
+def model_index(reference: str, revision: str = "", key: str = "model.name") -> dict:
+    """The parsed ``model_index.json`` of a local folder or hub id (fetched alone)."""
+    folder = local_folder(reference, key)
+    if folder is not None:
+        index = folder / "model_index.json"
+    else:
+        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            LocalEntryNotFoundError,
+            RemoteEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        at = f"{reference}@{revision}" if revision else reference
+        try:
+            index = Path(hf_hub_download(reference, "model_index.json", revision=revision or None, token=hf_token()))
+        except GatedRepoError:
+            raise ModelReferenceError(f"{key}={at} is a gated hub model: accept its licence on the hub and set "
+                                      "HF_TOKEN") from None
+        except RepositoryNotFoundError:
+            raise ModelReferenceError(f"{key}={at}: no such hub model (or a private one: set HF_TOKEN); check the "
+                                      "id, or give a local folder") from None
+        except RevisionNotFoundError:
+            raise ModelReferenceError(f"{key}={at}: the hub model has no revision {revision!r}; fix "
+                                      "model.revision") from None
+        except RemoteEntryNotFoundError:
+            raise ModelReferenceError(f"{key}={at} holds no model_index.json: not a diffusers pipeline; give a "
+                                      "diffusers-format model") from None
+        except LocalEntryNotFoundError:
+            offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
+            if not offline:
+                raise  # the hub did not answer and nothing is cached: a network fault, retryable
+            raise ModelReferenceError(f"{key}={at} is not in the local hub cache and HF_HUB_OFFLINE is set; "
+                                      "download it once without HF_HUB_OFFLINE, or give a local folder") from None
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelReferenceError(f"{key}={reference!r}: {index} is not valid JSON ({exc}); re-save the "
+                                  "pipeline") from None
+    if not isinstance(data, dict):
+        raise ModelReferenceError(f"{key}={reference!r}: {index} is not a JSON object; re-save the pipeline")
+    return data
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a ``.safetensors`` file, read from its header alone (cheap for any size):
+    None when the header parses and the file is as long as the tensors it lists."""
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, too short to be safetensors"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return f"truncated ({size} bytes, its header alone says {n + 8})"
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "its header is not safetensors JSON"
+    if not isinstance(header, dict):
+        return "its header is not safetensors JSON"
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets") or ()) == 2]
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        return f"truncated ({size} bytes of {need})"
+    return None
+
+
+def check_weights(folder: Path, key: str = "model.name") -> None:
+    """Every component folder ``model_index.json`` lists is there, every shard its
+    ``*.safetensors.index.json`` names is there, and no ``.safetensors`` file is truncated."""
+    index = json.loads((folder / "model_index.json").read_text())
+    for name, spec in index.items():
+        if (not name.startswith("_") and isinstance(spec, list) and len(spec) == 2 and None not in spec
+                and not (folder / name).is_dir()):
+            raise ModelReferenceError(f"{key}={str(folder)!r}: model_index.json lists the component {name!r} but "
+                                      f"there is no {name}/ folder; copy the whole pipeline folder")
+    for shard_index in sorted(folder.glob("*/*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(shard_index.read_text()).get("weight_map", {}).values())
+        except (json.JSONDecodeError, AttributeError):
+            raise ModelReferenceError(f"{key}={str(folder)!r}: {shard_index} is not a shard index; re-download or "
+                                      "re-save the model") from None
+        missing = sorted(s for s in shards if not (shard_index.parent / s).is_file())
+        if missing:
+            raise ModelReferenceError(f"{key}={str(folder)!r}: {shard_index.parent.name}/{missing[0]} is missing "
+                                      f"({len(missing)} of {len(shards)} shards); re-download or re-save the model")
+    for path in sorted(folder.glob("*/*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem:
+            raise ModelReferenceError(f"{key}={str(folder)!r}: {path.relative_to(folder)} is damaged ({problem}); "
+                                      "re-download or re-save the model")
+
+
+def check_model(reference: str, revision: str = "", num_frames: int = 1,
+                key: str = "model.name") -> type[FlowAdapter]:
+    """The adapter class of ``reference``, after the checks that need no weights loaded: the
+    reference itself (``local_folder``), its pipeline class, a local folder's files
+    (``check_weights``) and ``sampling.num_frames`` against the family (1 for an image model)."""
+    adapter = adapter_class(reference, revision, key)
+    folder = local_folder(reference, key)
+    if folder is not None:
+        check_weights(folder, key)
+    if not getattr(adapter, "video", False) and num_frames != 1:
+        from diffusionrl.configtree import ConfigError
+
+        raise ConfigError(f"sampling.num_frames={num_frames}, but {reference} is an image model ({adapter.family}); "
+                          "set sampling.num_frames=1, or use a video model (e.g. builtin:tiny-wan)")
+    return adapter
 
 
 def builtin_names() -> list[str]:
@@ -36,37 +209,27 @@ def builtin_builder(reference: str):
         builder = adapter.builtins().get(reference)
         if builder is not None:
             return builder
-    raise UnknownModelFamily(f"unknown builtin model {reference!r}; the built-in image models are "
-                             f"{builtin_names()}")
+    raise UnknownModelFamily(f"unknown builtin model {reference!r}; the built-in models are {builtin_names()}")
 
 
-def pipeline_class_of(reference: str, revision: str = "") -> str:
+def pipeline_class_of(reference: str, revision: str = "", key: str = "model.name") -> str:
     """The diffusers pipeline class a reference holds (``_class_name`` of its ``model_index.json``)."""
     if reference.startswith("builtin:"):
         for adapter in ADAPTERS:
             if reference in adapter.builtins():
                 return adapter.pipeline_class
         builtin_builder(reference)  # raises, naming the known ones
-    path = Path(reference).expanduser()
-    if path.exists():
-        index = path / "model_index.json"
-        if not index.is_file():
-            raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
-    else:
-        from huggingface_hub import hf_hub_download
-
-        index = Path(hf_hub_download(reference, "model_index.json", revision=revision or None, token=hf_token()))
-    return str(json.loads(index.read_text()).get("_class_name", ""))
+    return str(model_index(reference, revision, key).get("_class_name", ""))
 
 
-def adapter_class(reference: str, revision: str = "") -> type[FlowAdapter]:
+def adapter_class(reference: str, revision: str = "", key: str = "model.name") -> type[FlowAdapter]:
     """The adapter class for ``reference`` (builtin name, folder or hub id)."""
-    name = pipeline_class_of(reference, revision)
+    name = pipeline_class_of(reference, revision, key)
     for adapter in ADAPTERS:
         if adapter.pipeline_class == name:
             return adapter
-    raise UnknownModelFamily(f"{reference!r} holds a {name or 'pipeline without _class_name'}; the supported "
-                             f"pipelines are {[a.pipeline_class for a in ADAPTERS]}")
+    raise UnknownModelFamily(f"{key}={reference!r} holds a {name or 'pipeline without _class_name'}; the supported "
+                             f"pipelines are {[a.pipeline_class for a in ADAPTERS]}: use one of those or a builtin")
 
 
 def load_pipeline(reference: str, revision: str = "", dtype: str = "float32"):
@@ -83,10 +246,12 @@ def load_pipeline(reference: str, revision: str = "", dtype: str = "float32"):
         pipe = builtin_builder(reference)()
         return pipe.to(dtype=torch_dtype) if torch_dtype != torch.float32 else pipe
     cls = getattr(diffusers, adapter.pipeline_class)
-    path = Path(reference).expanduser()
-    if path.exists():
-        return cls.from_pretrained(str(path), torch_dtype=torch_dtype)
-    return cls.from_pretrained(reference, revision=revision or None, token=hf_token(), torch_dtype=torch_dtype)
+    path = local_folder(reference)
+    with no_progress_bars():
+        if path is not None:
+            check_weights(path)  # a truncated file is one line here, not the loader's traceback
+            return cls.from_pretrained(str(path), **dtype_kwargs(torch_dtype))
+        return cls.from_pretrained(reference, revision=revision or None, token=hf_token(), **dtype_kwargs(torch_dtype))
 
 
 def load_adapter(model_cfg, mixed_precision: str = "no") -> FlowAdapter:
@@ -101,5 +266,6 @@ def save_builtin(reference: str, directory: str | Path) -> Path:
     """Write a builtin model as a diffusers folder (safetensors weights, JSON configs) that the
     stock pipeline class's ``from_pretrained`` loads."""
     directory = Path(directory)
-    builtin_builder(reference)().save_pretrained(directory, safe_serialization=True)
+    with no_progress_bars():
+        builtin_builder(reference)().save_pretrained(directory, safe_serialization=True)
     return directory

@@ -2,7 +2,8 @@
 
 - ``builtin:tiny-sd3``, ``builtin:tiny-flux``, ``builtin:tiny-qwen-image``: written in code;
   ``builtin:tiny-sd3-shapes``: from the weights this package ships (no download);
-- a local folder: used in place (checked to be a diffusers pipeline folder);
+- a local folder: used in place (checked to be a diffusers pipeline folder with intact weights; a
+  path that is not there is "no such folder", ``families.local_folder``);
 - a hub id (``stabilityai/stable-diffusion-3.5-medium``): ``snapshot_download`` at ``revision``
   with ``HF_TOKEN`` (gated models); the token is passed to the hub client only, never logged.
 """
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from .base import hf_token
-from .families import pipeline_class_of, save_builtin
+from .families import adapter_class, check_weights, local_folder, save_builtin
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +46,23 @@ def fetch_model(reference: str, revision: str, dest: str | Path) -> Path:
     """A local diffusers folder for ``reference`` (``dest`` is used for builtin and hub models)."""
     dest = Path(dest)
     if reference.startswith("builtin:"):
-        pipeline_class_of(reference)  # an unknown builtin name fails here, naming the known ones
+        adapter_class(reference)  # an unknown builtin name fails here, naming the known ones
         return save_builtin(reference, dest)
-    path = Path(reference).expanduser()
-    if path.exists():
-        if not (path / "model_index.json").is_file():
-            raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+    path = local_folder(reference)
+    if path is not None:
+        adapter_class(reference)  # a folder of an unsupported pipeline fails before anything reads it
+        check_weights(path)
         return path
     from huggingface_hub import snapshot_download
 
+    adapter_class(reference, revision)  # model_index.json alone first: an unknown id or family costs no download
     log.info("downloading %s@%s", reference, revision or "main")
-    return Path(
+    folder = Path(
         snapshot_download(reference, revision=revision or None, token=hf_token(), local_dir=str(dest),
                           allow_patterns=ALLOW_PATTERNS)
     )
+    check_weights(folder)
+    return folder
 
 
 def cache_root() -> Path:

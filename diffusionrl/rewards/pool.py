@@ -59,7 +59,8 @@ def pin_to_cores(slot: int, threads: int) -> set[int]:
 
 
 def ensure_ray(num_cpus: int) -> bool:
-    """Start a local Ray with ``num_cpus`` CPUs unless one is running; True if this call started it."""
+    """Start a local Ray with ``num_cpus`` CPUs unless one is running; True if this call started it.
+    A local Ray listens on 127.0.0.1 only (``raycluster.start_local_ray``)."""
     import ray
 
     if ray.is_initialized():
@@ -67,7 +68,7 @@ def ensure_ray(num_cpus: int) -> bool:
     if os.environ.get("RAY_ADDRESS"):  # a running cluster (KubeRay, `ray start`): join it, do not size it
         ray.init()
         return False
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    raycluster.start_local_ray(num_cpus)
     return True
 
 

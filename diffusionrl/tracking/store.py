@@ -2,6 +2,14 @@
 
 The store: ``tracking.uri`` if set, else ``$MLFLOW_TRACKING_URI``, else a SQLite store in
 ``./runs/mlflow`` (the registry needs a database backend; artifacts go next to it).
+
+A mistyped SQLite URI would not fail: MLflow (SQLAlchemy) either raises deep in a traceback or
+quietly creates a new, empty database somewhere else, and the run or registry looked for is
+"not there". ``check_uri`` refuses them in one line (``TrackingURIError``): a SQLite store is
+``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``, in a folder that exists (only the
+default local store's folder is created). A CLI that only reads (``python -m diffusionrl.registry
+show``) asks once, quickly, whether the store answers (``cli_store``) instead of letting MLflow's
+client retry an unreachable server for minutes.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
 
+from diffusionrl.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ENV_URI = "MLFLOW_TRACKING_URI"
@@ -25,6 +35,11 @@ class TrackingUnavailable(RuntimeError):
     """The tracking store cannot be reached (raised before any training work starts)."""
 
 
+class TrackingURIError(UserError):
+    """A tracking URI that cannot name the store meant (a malformed or misplaced SQLite URI), or a
+    store a read-only CLI cannot read."""
+
+    kind = "tracking error"
 
 
 def local_store_uri(root: str | Path | None = None) -> str:
@@ -39,6 +54,27 @@ def resolve_uri(configured: str = "") -> str:
 
 def _sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+SQLITE_FORMS = "sqlite:///relative/path.db or sqlite:////absolute/path.db"
+
+
+def check_uri(uri: str, must_exist: bool = False) -> None:
+    """Refuse a SQLite URI that does not name the database meant: not of the form ``sqlite:///<path>``
+    (``sqlite:/x.db``, ``sqlite//x.db``, ``sqlite:x.db``), or in a folder that does not exist (a typo
+    there would create a new empty store; the default local store's folder is created by
+    ``preflight``); with ``must_exist`` (a reader), also a database file that is not there."""
+    if not uri.lower().startswith("sqlite"):
+        return
+    db = _sqlite_path(uri)
+    if db is None or not uri[len("sqlite:///"):].strip() or uri.endswith("/"):
+        raise TrackingURIError(f"tracking URI {uri!r} is not a SQLite URI MLflow reads as meant: write {SQLITE_FORMS}")
+    if must_exist and not db.is_file():
+        raise TrackingURIError(f"tracking URI {uri}: no database at {db.resolve()}; fix the path (--tracking-uri, "
+                               f"tracking.uri or ${ENV_URI}), or run a workflow first to create it")
+    if uri != local_store_uri() and not db.resolve().parent.is_dir():
+        raise TrackingURIError(f"tracking URI {uri}: the folder {db.resolve().parent} does not exist; fix the path, "
+                               "or create the folder for a new store")
 
 
 def artifact_location(uri: str, experiment: str) -> str | None:
@@ -56,7 +92,9 @@ def configure_http(timeout_s: int = 30, retries: int = 2) -> None:
 
 
 def preflight(uri: str, timeout_s: float = 10.0) -> None:
-    """Fail fast, naming the URI, when the tracking store cannot be reached."""
+    """Fail fast, naming the URI, when the tracking store cannot be reached (a malformed SQLite URI:
+    ``TrackingURIError``, ``check_uri``)."""
+    check_uri(uri)
     scheme = urlparse(uri).scheme
     try:
         if scheme in ("http", "https"):
@@ -75,6 +113,20 @@ def preflight(uri: str, timeout_s: float = 10.0) -> None:
             f"MLflow tracking store {uri} is unreachable ({type(exc).__name__}: {exc}). Start the server, fix "
             f"tracking.uri / ${ENV_URI}, or unset both to use the local store {local_store_uri()}"
         ) from exc
+
+
+def cli_store(uri: str, timeout_s: float = 5.0) -> str:
+    """``uri`` for a CLI that reads the store, checked once: a SQLite database that is there
+    (``check_uri``), a store that answers within ``timeout_s`` (``preflight``), else one line
+    (``TrackingURIError``) naming the URI; later client calls retry briefly (``configure_http``),
+    not MLflow's minutes of default retries."""
+    check_uri(uri, must_exist=True)
+    try:
+        preflight(uri, timeout_s=timeout_s)
+    except TrackingUnavailable as exc:
+        raise TrackingURIError(str(exc)) from None
+    configure_http(timeout_s=max(1, int(timeout_s * 2)), retries=1)
+    return uri
 
 
 def client(uri: str):

@@ -20,6 +20,8 @@ import torch
 from diffusionrl.algorithms.advantages import group_advantages
 from diffusionrl.checkpoint import CheckpointState
 from diffusionrl.data import PromptSampler, PromptSet
+from diffusionrl.evaluation import eval_spec
+from diffusionrl.heldout import HeldOutProbe
 from diffusionrl.rewards import reward_metrics
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.sampling import sde_step_mask
@@ -64,6 +66,7 @@ class ImageBackend:
         self.worker = worker
         self.scorer = scorer
         self.sampler = PromptSampler(prompts.train, cfg.train.prompts_per_step, cfg.train.seed)
+        self.probe = HeldOutProbe(cfg, prompts.test, scorer, eval_spec(cfg))
         rollout_sde = getattr(objective_class(cfg.algorithm.name), "rollout_sde_type", None)
         self.rollout_sde_type = rollout_sde or cfg.sampling.sde_type
         self.spec = SamplingSpec.from_config(cfg, sde_type=self.rollout_sde_type)
@@ -134,6 +137,8 @@ class ImageBackend:
         return extra
 
     def run_step(self, step: int) -> tuple[Trajectory, dict[str, float]]:
+        # the held-out probe sees the weights the step's rollouts use (``step`` updates in)
+        probed = self.probe(self.worker, step) if self.probe.due(step) else {}
         t0 = time.perf_counter()
         traj = self.rollout(step)
         t1 = time.perf_counter()
@@ -155,6 +160,7 @@ class ImageBackend:
             }
         )
         metrics.update(push_metrics)
+        metrics.update(probed)
         every = self.cfg.train.log_images_every
         if every and (step + 1) % every == 0 and traj.images is not None:
             save_grid(traj.images, self.out_dir / "samples" / f"step-{step + 1:06d}.png",

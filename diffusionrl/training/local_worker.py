@@ -24,6 +24,7 @@ from diffusionrl.trajectory import Trajectory
 
 from .objective import build_objective
 from .policy import LoraPolicy
+from .preflight import check_inputs
 from .trainer import Trainer
 
 EngineFactory = Callable[..., Any]  # (cfg, adapter, policy) -> engine, like rollout.factory.make_engine
@@ -38,6 +39,7 @@ class LocalPolicyWorker:
 
     def __init__(self, cfg, model_path: str | None = None, engine_factory: EngineFactory | None = None):
         self.cfg = cfg
+        check_inputs(cfg, model_path)  # a mistake in the model or init_lora: one line, before the weights load
         model_cfg = dataclasses.replace(cfg.model, name=model_path) if model_path else cfg.model
         self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
         self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
+from diffusionrl.configtree import ConfigError
 from diffusionrl.models.base import FlowAdapter
 
 
@@ -78,15 +79,17 @@ class LoraPolicy:
 
         path = Path(folder) / "adapter_model.safetensors"
         if not path.is_file():
-            raise FileNotFoundError(f"algorithm.init_lora={label}: no adapter_model.safetensors there")
+            raise ConfigError(f"algorithm.init_lora={label}: no adapter_model.safetensors there; give a peft LoRA "
+                              "folder (a run's <out>/lora)")
         state = load_file(str(path))
         expected = get_peft_model_state_dict(self.model)
         missing, unknown = set(expected) - set(state), set(state) - set(expected)
         bad = [k for k in set(state) & set(expected) if state[k].shape != expected[k].shape]
         if missing or unknown or bad:
-            raise ValueError(
-                f"algorithm.init_lora={label} does not fit this LoRA (model.lora_rank/targets): {len(missing)} "
-                f"missing, {len(unknown)} unknown, {len(bad)} mis-shaped tensors, e.g. {sorted(missing | unknown)[:2]}"
+            raise ConfigError(
+                f"algorithm.init_lora={label} does not fit this LoRA: {len(missing)} missing, {len(unknown)} unknown, "
+                f"{len(bad)} mis-shaped tensors, e.g. {sorted(missing | unknown | set(bad))[:2]}; set model.lora_rank "
+                "and model.lora_targets to the LoRA's (its adapter_config.json), or start fresh (init_lora='')"
             )
         set_peft_model_state_dict(self.model, state)
 

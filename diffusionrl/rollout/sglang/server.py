@@ -3,6 +3,15 @@
 The server runs from its own interpreter, normally the repo's ``.venv-sglang`` (sglang pins
 torch/transformers/diffusers versions that differ from ours), in its own process group (stopped
 as a group), and without a GPU at the lowest CPU priority.
+
+Everything it serves listens on 127.0.0.1 only: HTTP (``--host``) and its scheduler socket (which
+SGLang derives from ``--host``), gloo and NCCL (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME=lo``:
+the server is one node), and torch.distributed's rendezvous store. That store is the one piece no
+SGLang flag places: torch's ``TCPStore`` server listens on every interface whatever host it is
+given (SGLang 0.5.23 has rank 0 start one on ``--master-port``, 30005 by default). So ``LAUNCHER``
+starts the server with that store already running in the launching process, on a listening socket
+bound to 127.0.0.1, and every rank joins it as a client (``TORCHELASTIC_USE_AGENT_STORE=True``,
+torch's own mode for a store hosted by someone else).
 """
 
 from __future__ import annotations
@@ -52,6 +61,68 @@ def text_encoder_args(family: str, t5_tokens: int) -> list[dict]:
         return [{**common, "max_length": 77}, {**common, **t5}]
     raise SGLangServerError(f"no text-encoder lengths for family {family!r}")
 SGLANG_PYTHON_ENV = "DIFFUSIONRL_SGLANG_PYTHON"
+LOOPBACK = "127.0.0.1"
+# What ``sglang serve`` runs as (``python -c LAUNCHER serve ...``, in the SGLang interpreter, where
+# this package is not importable): SGLang's CLI, with torch.distributed's store hosted here on
+# loopback (module docstring). The hook waits for SGLang to import ``launch_server`` itself (its
+# import order matters to its plugins), then wraps ``_start_scheduler_processes``, which spawns the
+# ranks after the ports are settled: the store listens on the settled ``master_port`` and the ranks
+# inherit ``TORCHELASTIC_USE_AGENT_STORE``. A SGLang without that function starts unchanged (the
+# store is then its own, on every interface) and says so in the server log.
+LAUNCHER = r"""
+import importlib.abc, importlib.util, os, socket, sys
+
+TARGET = "sglang.multimodal_gen.runtime.launch_server"
+
+
+def host_store(module):
+    spawn = getattr(module, "_start_scheduler_processes", None)
+    if spawn is None:
+        print(f"diffusionrl: {TARGET} has no _start_scheduler_processes: the rendezvous store is SGLang's own",
+              file=sys.stderr, flush=True)
+        return
+
+    def spawn_beside_a_loopback_store(server_args, *args, **kwargs):
+        import datetime
+        from torch.distributed import TCPStore
+
+        port = server_args.materialize().master_port
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+        module._diffusionrl_store = TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=3600),
+                                             wait_for_workers=False, multi_tenant=True,
+                                             master_listen_fd=listener.detach())
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the ranks, spawned next, join it as clients
+        print(f"diffusionrl: torch.distributed store on 127.0.0.1:{port}", file=sys.stderr, flush=True)
+        return spawn(server_args, *args, **kwargs)
+
+    module._start_scheduler_processes = spawn_beside_a_loopback_store
+
+
+class Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            host_store(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Hook())
+from sglang.cli.main import main
+
+sys.argv[0] = "sglang"
+sys.exit(main())
+"""
 REPO_ROOT = Path(__file__).resolve().parents[3]  # diffusionrl/rollout/sglang/server.py -> the repo
 
 
@@ -148,6 +219,7 @@ class SGLangServer:
         self.t5_tokens = t5_tokens
         self.requested_port = port
         self.port = 0
+        self.master_port = 0  # torch.distributed's rendezvous store (hosted on loopback by LAUNCHER)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="sglang-"))
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -171,13 +243,20 @@ class SGLangServer:
             config.write_text(json.dumps({"text_encoder_extra_args": text_encoder_args(self.family, self.t5_tokens)}))
             extra += ["--pipeline-config-path", str(config)]
         return [
-            self.python, "-c",
-            "import sys; from sglang.cli.main import main; sys.argv[0] = 'sglang'; sys.exit(main())",
+            self.python, "-c", LAUNCHER,
             "serve", "--model-path", self.model_path, "--model-id", model_id,
-            "--host", "127.0.0.1", "--port", str(self.port), "--num-gpus", "1",
+            "--host", LOOPBACK, "--port", str(self.port), "--master-port", str(self.master_port), "--num-gpus", "1",
             "--dit-precision", p, "--vae-precision", p, "--text-encoder-precisions", *[p] * encoders,
             *extra, "--warmup-mode", "off",
         ]
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: ours, no telemetry, and (one node) gloo's and NCCL's sockets on
+        loopback, which otherwise listen on the interface the host name resolves to."""
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+        env.update(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
+        return env
 
     def start(self, attempts: int = 3) -> None:
         """Launch and wait for ``/health``; with a free port picked here, a port taken meanwhile
@@ -194,8 +273,10 @@ class SGLangServer:
         import requests
 
         self.port = self.requested_port or free_port()
-        env = dict(os.environ)
-        env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+        self.master_port = free_port()
+        while self.master_port in (self.port, self.port + 1):
+            self.master_port = free_port()
+        env = self.environment()
         with open(self.log_path, "ab") as log_fh:  # the child keeps its own copy of the descriptor
             log_fh.write(f"\n=== start {self.starts + 1}: port {self.port}\n".encode())
             log_fh.flush()

@@ -1,0 +1,187 @@
+"""What a served model's ``predict`` accepts: bounds on every generation parameter and on the prompts.
+
+The registered models took any value: ``num_inference_steps=0`` returned noise, ``100000`` was
+accepted and held the server for hours, and so were a 2048-prompt batch or a 10 MB prompt. MLflow's
+``ParamSpec`` has a type and a default but no bounds, so the bounds live here: ``LIMITS`` (per
+parameter), ``MAX_PROMPTS`` prompts of at most ``MAX_PROMPT_CHARS`` characters per request. They are
+written into each logged model's metadata (``request_limits``: ``describe``) and checked by its
+``predict`` before anything is generated; a request outside them is one line naming the parameter
+and its range (``RequestError``, an ``MlflowException`` with ``INVALID_PARAMETER_VALUE``, which
+``mlflow models serve`` answers with HTTP 400).
+
+- images (``mlflow.diffusers``): this module is the model's pyfunc loader (``_load_pyfunc``), shipped
+  with it as its code (``code/request_limits.py``: ``save_model``, what ``registry.log_lora_model``
+  logs with) around MLflow's own diffusers wrapper, so serving still needs no diffusionrl install;
+  hence it imports only the standard library and mlflow (pandas through mlflow);
+- videos: ``video_serving.VideoLoraModel.predict``; text (block diffusion): ``bdlm.serving.BDLMDecoder``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+LOADER_MODULE = "request_limits"  # the image model's pyfunc loader: this file, as the model's code/
+MAX_PROMPTS = 64  # prompts per request
+MAX_PROMPT_CHARS = 1000  # characters per prompt (and per negative prompt)
+
+
+class RequestError(MlflowException):
+    """A request outside the served model's limits (HTTP 400 from ``mlflow models serve``)."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()), error_code=INVALID_PARAMETER_VALUE)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """``lo <= value <= hi`` (``lo < value`` when ``lo_open``); integers also ``value % multiple == offset``."""
+
+    lo: float
+    hi: float
+    integer: bool = True
+    lo_open: bool = False
+    multiple: int = 1
+    offset: int = 0
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        text = f"{kind} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+        if self.multiple > 1:
+            text += f", {self.offset} + a multiple of {self.multiple}" if self.offset else \
+                f", a multiple of {self.multiple}"
+        return text
+
+    def ok(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.integer and not float(value).is_integer():
+            return False
+        if not math.isfinite(value) or value > self.hi or value < self.lo or (self.lo_open and value == self.lo):
+            return False
+        return not self.integer or (int(value) - self.offset) % self.multiple == 0
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string (or None: the pipeline's default) of at most ``max_chars`` characters."""
+
+    max_chars: int
+
+    def describe(self) -> str:
+        return f"a string of at most {self.max_chars} characters"
+
+    def ok(self, value: Any) -> bool:
+        return value is None or (isinstance(value, str) and len(value) <= self.max_chars)
+
+
+SIZE = Bound(16, 2048, multiple=16)  # pixels: the VAE's 8x and the transformer's 2x2 patches
+LIMITS: dict[str, Bound | Text] = {
+    "num_inference_steps": Bound(1, 1000),
+    "guidance_scale": Bound(0, 30, integer=False, lo_open=True),
+    "height": SIZE,
+    "width": SIZE,
+    "num_frames": Bound(1, 161, multiple=4, offset=1),  # Wan: 1 + 4k frames, up to twice its 81
+    "max_sequence_length": Bound(1, 512),  # text-encoder tokens (T5 / umT5 take 512)
+    "negative_prompt": Text(MAX_PROMPT_CHARS),
+    "threshold": Bound(0, 1, integer=False, lo_open=True),  # block diffusion's commit confidence
+}
+
+
+def describe(names) -> str:
+    """The limits of the parameters ``names`` and of the prompts, as one line (the model's metadata)."""
+    parts = [f"prompts: 1 to {MAX_PROMPTS} strings of at most {MAX_PROMPT_CHARS} characters"]
+    parts += [f"{name}: {LIMITS[name].describe()}" for name in names if name in LIMITS]
+    return "; ".join(parts)
+
+
+def check_params(params: dict[str, Any] | None, where: str = "request") -> dict[str, Any]:
+    """``params`` itself when every parameter with a limit is inside it, else ``RequestError``."""
+    for name, value in (params or {}).items():
+        limit = LIMITS.get(name)
+        if limit is not None and not limit.ok(value):
+            long = isinstance(value, str) and len(value) > 40
+            shown = f"a string of {len(value)} characters" if long else repr(value)
+            raise RequestError(f"{where}: {name}={shown} is out of bounds: it must be {limit.describe()}")
+    return params or {}
+
+
+def _flatten(items) -> list:
+    out = []
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            out.extend(item)
+        else:
+            out.append(item)
+    return out
+
+
+def prompts_of(model_input) -> list[str]:
+    """The prompts of a request (a DataFrame's ``prompt`` column or only column, a string, a list, a
+    ``{"prompt": ...}`` dict), each a string of at most ``MAX_PROMPT_CHARS``, 1 to ``MAX_PROMPTS`` of them."""
+    import pandas as pd
+
+    if isinstance(model_input, pd.DataFrame):
+        if "prompt" not in model_input.columns and len(model_input.columns) != 1:
+            raise RequestError(f"request: a table needs a 'prompt' column; it has {list(model_input.columns)}")
+        column = model_input["prompt" if "prompt" in model_input.columns else model_input.columns[0]]
+        prompts = _flatten(column.tolist())  # schema enforcement may put a list in one cell
+    elif isinstance(model_input, dict):
+        prompts = model_input.get("prompt")
+        prompts = [prompts] if isinstance(prompts, str) else _flatten(prompts or [])
+    elif isinstance(model_input, str):
+        prompts = [model_input]
+    else:
+        prompts = _flatten(list(model_input))
+    if not 1 <= len(prompts) <= MAX_PROMPTS:
+        raise RequestError(f"request: {len(prompts)} prompts; send 1 to {MAX_PROMPTS} per request")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise RequestError(f"request: prompt {i} is {type(prompt).__name__}, not a string")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise RequestError(f"request: prompt {i} has {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    return prompts
+
+
+class BoundedDiffusers:
+    """MLflow's diffusers pyfunc wrapper, behind the request limits."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def get_raw_model(self):
+        return self.inner.get_raw_model()
+
+    def predict(self, data, params: dict[str, Any] | None = None):
+        prompts = prompts_of(data)
+        check_params(params)
+        return self.inner.predict(prompts, params)
+
+
+def _load_pyfunc(path, model_config=None):
+    """The image model's pyfunc loader (its ``MLmodel`` names this module): MLflow's diffusers
+    wrapper (the pipeline loads on the first request) behind the limits."""
+    from mlflow.diffusers import _load_pyfunc as load_diffusers
+
+    return BoundedDiffusers(load_diffusers(path, model_config))
+
+
+def save_model(path, mlflow_model, **kwargs) -> None:
+    """``mlflow.diffusers.save_model`` whose pyfunc flavor loads through this module, shipped as the
+    model's ``code/``: every request is bounded before MLflow's diffusers wrapper generates. The
+    ``diffusers`` flavor (``mlflow.diffusers.load_model``) and the folder layout are unchanged.
+    (``registry.log_lora_model`` passes this module to ``Model.log`` as the flavor.)"""
+    from pathlib import Path
+
+    import mlflow.diffusers
+    from mlflow.models.model import MLMODEL_FILE_NAME
+    from mlflow.pyfunc import FLAVOR_NAME, MAIN
+
+    kwargs["code_paths"] = [*(kwargs.get("code_paths") or []), __file__]
+    mlflow.diffusers.save_model(path=path, mlflow_model=mlflow_model, **kwargs)
+    mlflow_model.flavors[FLAVOR_NAME][MAIN] = LOADER_MODULE
+    mlflow_model.save(str(Path(path) / MLMODEL_FILE_NAME))
