@@ -1,5 +1,5 @@
 """Evaluation: deterministic (ODE) sampling on held-out prompts, base model vs LoRA, same seeds
-(``eval.seeds_per_prompt`` of them per prompt); the diversity of each side (``heldout.diversity``).
+(``eval.seeds_per_prompt`` of them per prompt: seed + i k + j for sample j of prompt i); the diversity of each side (``heldout.diversity``).
 
 Prompt rows with a ``category`` (the shapes world's) give the table a category column, and a reward's
 per-sample values (``RewardResult.per_sample``, e.g. geneval_mini's success) are averaged per category.
@@ -72,7 +72,7 @@ def evaluate_lora(
     k = cfg.eval.seeds_per_prompt  # prompt-major: each prompt's samples side by side
     prompts = [r["prompt"] for r in rows for _ in range(k)]
     metadata = [{key: v for key, v in r.items() if key != "prompt"} for r in rows for _ in range(k)]
-    seeds = [cfg.eval.seed + j for _ in rows for j in range(k)]
+    seeds = [cfg.eval.seed + i * k + j for i in range(len(rows)) for j in range(k)]  # k = 1: seed + i per prompt
     groups = [i for i in range(len(rows)) for _ in range(k)]
     base = LocalRolloutEngine(adapter, adapter.transformer, micro).generate(
         prompts, groups, seeds, spec, None, metadata

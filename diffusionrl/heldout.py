@@ -5,15 +5,15 @@ that pleases the judge whatever the prompt) or by collapsing onto one image. Two
 difference, and every image run computes both every ``eval.every`` steps:
 
 - the **held-out score**: the run's reward on the held-out prompts (``eval.probe_prompts`` of them,
-  one fixed seed each, ODE sampling at the evaluation's steps and guidance), from the rollout
-  engine's current weights; and
+  one fixed seed each, repeated with further seeds up to a whole number of the engines' blocks, ODE
+  sampling at the evaluation's steps and guidance), from the rollout engine's current weights; and
 - the **diversity**: the mean distance between images of different prompts (``diversity``; a policy
   that draws one picture for every prompt has diversity near 0).
 
 ``HeldOutProbe`` (in ``training.backend.ImageBackend``) writes them into the step's metrics as
-``heldout/reward_mean``, ``heldout/reward_std``, ``heldout/<reward>_mean``, ``heldout/<reward>_<key>``
-(a reward's per-sample values, e.g. geneval_mini's success), ``heldout/diversity`` and
-``heldout/policy_version`` (the updates the probed weights have had). ``hacking_alarms`` reads a
+``heldout/reward_mean``, ``heldout/reward_std``, ``heldout/num_samples``, ``heldout/<reward>_mean``, ``heldout/<reward>_<key>``
+(a reward's per-sample values, e.g. geneval_mini's success), ``heldout/diversity`` (when there are
+two prompts) and ``heldout/policy_version`` (the updates the probed weights have had). ``hacking_alarms`` reads a
 run's metric rows and flags each probe where the training reward has risen above its first
 window's while the held-out score fell (below the previous probe's or the first probe's by more
 than ``Z`` standard errors) or the diversity fell below ``DIVERSITY_FLOOR`` of the first probe's.
@@ -25,6 +25,7 @@ the same steps.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,8 @@ class HeldOutProbe:
         self.spec = spec
         self.scorer = scorer
         self.seed = cfg.eval.seed
+        tc = cfg.train  # a probe fills whole blocks as a rollout does (distributed.shards.assign_blocks)
+        self.block = math.lcm(tc.group_size, tc.micro_batch_size) * (tc.rollout_engines if tc.world_size > 1 else 1)
 
     def due(self, version: int) -> bool:
         """Whether the weights after ``version`` updates are probed (0: the base, then every ``every``)."""
@@ -81,15 +84,22 @@ class HeldOutProbe:
     def __call__(self, worker, version: int) -> dict[str, float]:
         import torch
 
-        prompts = [r["prompt"] for r in self.rows]
-        metadata = [{k: v for k, v in r.items() if k != "prompt"} for r in self.rows]
-        seeds = torch.arange(self.seed, self.seed + len(prompts), dtype=torch.int64)
-        groups = torch.arange(len(prompts), dtype=torch.int64)
+        # the held-out prompts in turn up to a whole number of the engines' blocks (group size and
+        # micro-batch, per engine), sample i with seed eval.seed + i: the first len(rows) are the
+        # evaluation's samples
+        n = -(-len(self.rows) // self.block) * self.block
+        rows = [self.rows[i % len(self.rows)] for i in range(n)]
+        prompts = [r["prompt"] for r in rows]
+        metadata = [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
+        seeds = torch.arange(self.seed, self.seed + n, dtype=torch.int64)
+        groups = torch.as_tensor([i % len(self.rows) for i in range(n)], dtype=torch.int64)
         traj = worker.generate(prompts, groups, seeds, self.spec, None, metadata)
         total, parts = self.scorer(traj.images, prompts, metadata)
         out = {HELDOUT_KEY: float(np.mean(total)), "heldout/reward_std": float(np.std(total)),
-               "heldout/num_prompts": float(len(prompts)), "heldout/policy_version": float(version),
-               DIVERSITY_KEY: diversity(traj.images, prompts)}
+               "heldout/num_samples": float(n), "heldout/policy_version": float(version)}
+        spread = diversity(traj.images, prompts)
+        if np.isfinite(spread):  # one held-out prompt has no pair of different prompts
+            out[DIVERSITY_KEY] = spread
         for name, result in parts.items():
             out[f"heldout/{name}_mean"] = float(np.mean(result.scores))
             for key, values in result.per_sample.items():
@@ -105,7 +115,7 @@ class Alarm:
 
 
 def _se(row: dict) -> float:
-    return float(row.get("heldout/reward_std", 0.0)) / max(1.0, float(row.get("heldout/num_prompts", 1.0))) ** 0.5
+    return float(row.get("heldout/reward_std", 0.0)) / max(1.0, float(row.get("heldout/num_samples", 1.0))) ** 0.5
 
 
 def hacking_alarms(rows: list[dict[str, Any]]) -> list[Alarm]:

@@ -146,6 +146,9 @@ class FolderLock(RunOwner):
         self.record: dict = {}
 
     def acquire(self) -> FolderLock:
+        # the folders this lock creates go again at release if nothing else was written in them (a run
+        # refused before it started leaves no trace)
+        self.created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
         self.folder.mkdir(parents=True, exist_ok=True)
         for _ in range(5):  # the file may be replaced (released, or stale) between open and lock
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -199,6 +202,11 @@ class FolderLock(RunOwner):
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+        for folder in getattr(self, "created", []):  # innermost first
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: the run wrote there
+                break
 
 
 # -- an object-store folder: a lease ------------------------------------------------------------------

@@ -9,7 +9,7 @@ from diffusionrl.heldout import ALARM_KEY, diversity, hacking_alarms
 
 
 def _probe(step, version, score, div=0.2, std=0.05, n=25):
-    return {"heldout/reward_mean": score, "heldout/reward_std": std, "heldout/num_prompts": n,
+    return {"heldout/reward_mean": score, "heldout/reward_std": std, "heldout/num_samples": n,
             "heldout/policy_version": version, "heldout/diversity": div, "step": step}
 
 
@@ -70,7 +70,8 @@ def test_every_image_run_probes_held_out_prompts_and_records_the_alarm(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     probed = [r for r in rows if "heldout/reward_mean" in r]
     assert [r["heldout/policy_version"] for r in probed] == [0.0, 2.0]  # the base, then every 2 updates
-    assert all(r[ALARM_KEY] in (0.0, 1.0) and r["heldout/num_prompts"] == 3 and r["heldout/diversity"] > 0
+    # 3 held-out prompts, then a 4th sample to fill whole micro-batches of 2
+    assert all(r[ALARM_KEY] in (0.0, 1.0) and r["heldout/num_samples"] == 4 and r["heldout/diversity"] > 0
                for r in probed)
     assert "heldout/jpeg_compressibility_mean" in probed[0] and ALARM_KEY not in rows[1]
     assert result.metrics[0]["heldout/reward_mean"] == probed[0]["heldout/reward_mean"]

@@ -1,6 +1,8 @@
 """The demo's task end to end at test size: tiny-cpu-shapes trains one Flow-GRPO step on the shapes
 world and its evaluation scores base and tuned images per GenEval category."""
 
+import pytest
+
 from diffusionrl.config import load_config
 from diffusionrl.data import load_prompts
 from diffusionrl.data_shapes import CATEGORIES
@@ -21,9 +23,12 @@ def test_one_step_on_the_shapes_world_and_a_per_category_evaluation(tmp_path):
     test = load_prompts(cfg.data).test
     rows = [next(r for r in test if r["category"] == c) for c in CATEGORIES]
     ev = evaluate_lora(cfg, rows, result.model_dir)
-    assert ev.table["category"].tolist() == list(CATEGORIES)
+    k = cfg.eval.seeds_per_prompt  # the preset's 3 samples per prompt, side by side, seeds 1234 + 3 i + j
+    assert ev.table["category"].tolist() == [c for c in CATEGORIES for _ in range(k)]
+    assert ev.table["seed"].tolist() == [cfg.eval.seed + i for i in range(k * len(CATEGORIES))]
+    assert ev.grid.shape[1] == k * len(CATEGORIES) * 64 and "eval/diversity" in ev.summary
     assert set(ev.table["base_geneval_mini_success"]) <= {0.0, 1.0}
     assert (ev.table["tuned_geneval_mini"] >= ev.table["tuned_geneval_mini_success"]).all()  # partial credit
     for side in ("", "base_"):
         per_category = [ev.summary[f"eval/{side}geneval_mini_success/{c}"] for c in CATEGORIES]
-        assert sum(per_category) / len(CATEGORIES) == ev.summary[f"eval/{side}geneval_mini_success"]
+        assert sum(per_category) / len(CATEGORIES) == pytest.approx(ev.summary[f"eval/{side}geneval_mini_success"])

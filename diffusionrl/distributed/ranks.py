@@ -89,7 +89,8 @@ class RankGroup:
         tc = self.cfg.train
         shares = assign_blocks(len(prompts), tc.group_size, tc.micro_batch_size, tc.rollout_engines)
         refs = [
-            self.ranks[e].rollout.remote(prompts[sl], group_ids[sl], seeds[sl], spec, mask[sl], metadata[sl])
+            self.ranks[e].rollout.remote(prompts[sl], group_ids[sl], seeds[sl], spec,
+                                         None if mask is None else mask[sl], metadata[sl])
             for e, sl in enumerate(shares)
         ]
         return cat_trajectories(raycluster.get(refs, "rollout on the engine ranks"))
