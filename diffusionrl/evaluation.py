@@ -1,5 +1,6 @@
 """Evaluation: deterministic (ODE) sampling on held-out prompts, base model vs LoRA, same seeds
-(``eval.seeds_per_prompt`` of them per prompt: seed + i k + j for sample j of prompt i); the diversity of each side (``heldout.diversity``).
+(``eval.seeds_per_prompt`` of them per prompt: seed + i k + j for sample j of prompt i); the
+diversity of each side (``heldout.diversity``).
 
 Prompt rows with a ``category`` (the shapes world's) give the table a category column, and a reward's
 per-sample values (``RewardResult.per_sample``, e.g. geneval_mini's success) are averaged per category.

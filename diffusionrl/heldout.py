@@ -11,15 +11,15 @@ difference, and every image run computes both every ``eval.every`` steps:
   that draws one picture for every prompt has diversity near 0).
 
 ``HeldOutProbe`` (in ``training.backend.ImageBackend``) writes them into the step's metrics as
-``heldout/reward_mean``, ``heldout/reward_std``, ``heldout/num_samples``, ``heldout/<reward>_mean``, ``heldout/<reward>_<key>``
-(a reward's per-sample values, e.g. geneval_mini's success), ``heldout/diversity`` (when there are
-two prompts) and ``heldout/policy_version`` (the updates the probed weights have had). ``hacking_alarms`` reads a
-run's metric rows and flags each probe where the training reward has risen above its first
-window's while the held-out score fell (below the previous probe's or the first probe's by more
-than ``Z`` standard errors) or the diversity fell below ``DIVERSITY_FLOOR`` of the first probe's.
-``HackingAlarm`` (a ``Callback``) puts ``alarm/hacking`` (1 or 0) into every probed step's metrics
-and logs one warning line naming the step and the reason; the report plots the same rows and marks
-the same steps.
+``heldout/reward_mean``, ``heldout/reward_std``, ``heldout/num_samples``, ``heldout/<reward>_mean``,
+``heldout/<reward>_<key>`` (a reward's per-sample values, e.g. geneval_mini's success),
+``heldout/diversity`` (when there are two prompts) and ``heldout/policy_version`` (the updates the
+probed weights have had). ``hacking_alarms`` reads a run's metric rows and flags each probe where
+the training reward has risen above its first window's while the held-out score fell (below the
+previous probe's or the first probe's by more than ``Z`` standard errors) or the diversity fell
+below ``DIVERSITY_FLOOR`` of the first probe's. ``HackingAlarm`` (a ``Callback``) puts
+``alarm/hacking`` (1 or 0) into every probed step's metrics and logs one warning line naming the
+step and the reason; the report plots the same rows and marks the same steps.
 """
 
 from __future__ import annotations
