@@ -22,7 +22,7 @@ import numpy as np
 from diffusionrl.config import load_config
 from diffusionrl.data import load_prompts
 from diffusionrl.data_shapes import CATEGORIES
-from diffusionrl.evaluation import eval_spec
+from diffusionrl.evaluation import eval_samples, eval_spec
 from diffusionrl.heldout import diversity
 from diffusionrl.models import load_adapter
 from diffusionrl.rewards.geneval_mini import GenEvalMini
@@ -62,12 +62,10 @@ def main() -> None:
     rows = getattr(load_prompts(cfg.data), args.split)
     adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
     k = args.seeds
-    prompts = [r["prompt"] for r in rows for _ in range(k)]
-    metadata = [{key: v for key, v in r.items() if key != "prompt"} for r in rows for _ in range(k)]
-    seeds = [cfg.eval.seed + j for _ in rows for j in range(k)]
+    prompts, groups, seeds, metadata = eval_samples(rows, k, cfg.eval.seed)  # the evaluation's samples
     t0 = time.perf_counter()
     traj = LocalRolloutEngine(adapter, adapter.transformer, 32).generate(
-        prompts, [i for i in range(len(rows)) for _ in range(k)], seeds, eval_spec(cfg), None, metadata)
+        prompts, groups, seeds, eval_spec(cfg), None, metadata)
     result = GenEvalMini()(traj.images, prompts, metadata)
     success = result.per_sample["success"]
     cats = np.array([m["category"] for m in metadata])

@@ -49,6 +49,17 @@ def eval_spec(cfg: Config) -> SamplingSpec:
     )
 
 
+def eval_samples(rows: list[dict], k: int, seed: int) -> tuple[list[str], list[int], list[int], list[dict]]:
+    """The evaluation's samples of prompt rows, ``k`` per prompt, prompt-major (a prompt's samples side
+    by side): prompts, group ids, seeds (``seed + i k + j`` for sample j of prompt i; k = 1: seed + i)
+    and metadata (each row without its prompt)."""
+    prompts = [r["prompt"] for r in rows for _ in range(k)]
+    groups = [i for i in range(len(rows)) for _ in range(k)]
+    seeds = [seed + i * k + j for i in range(len(rows)) for j in range(k)]
+    metadata = [{key: v for key, v in r.items() if key != "prompt"} for r in rows for _ in range(k)]
+    return prompts, groups, seeds, metadata
+
+
 def evaluate_lora(
     cfg: Config, test_rows: list[dict], lora_dir: str | Path, model_path: str | None = None
 ) -> EvalResult:
@@ -65,16 +76,11 @@ def evaluate_lora(
     model_cfg = dataclasses.replace(cfg.model, name=model_path or cfg.model.name)
     adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
     tuned_transformer = PeftModel.from_pretrained(copy.deepcopy(adapter.transformer), str(lora_dir)).eval()
-    n = len(rows) * cfg.eval.seeds_per_prompt
-    micro = max(1, min(cfg.train.micro_batch_size, n))
-    while n % micro:
+    prompts, groups, seeds, metadata = eval_samples(rows, cfg.eval.seeds_per_prompt, cfg.eval.seed)
+    micro = max(1, min(cfg.train.micro_batch_size, len(prompts)))
+    while len(prompts) % micro:
         micro -= 1
     spec = eval_spec(cfg)
-    k = cfg.eval.seeds_per_prompt  # prompt-major: each prompt's samples side by side
-    prompts = [r["prompt"] for r in rows for _ in range(k)]
-    metadata = [{key: v for key, v in r.items() if key != "prompt"} for r in rows for _ in range(k)]
-    seeds = [cfg.eval.seed + i * k + j for i in range(len(rows)) for j in range(k)]  # k = 1: seed + i per prompt
-    groups = [i for i in range(len(rows)) for _ in range(k)]
     base = LocalRolloutEngine(adapter, adapter.transformer, micro).generate(
         prompts, groups, seeds, spec, None, metadata
     )
