@@ -27,12 +27,12 @@ import _common  # sets sys.path and offline env
 import numpy as np
 import torch
 
+from diffusionrl.algorithms.sde import sde_step_mask
 from diffusionrl.config import load_config
 from diffusionrl.models import load_adapter
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.rollout.sglang import SGLangRolloutEngine
-from diffusionrl.sampling import sde_step_mask
 from diffusionrl.training.flow_grpo import FlowGRPOObjective
 from diffusionrl.training.policy import LoraPolicy
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusionrl.sampling import sde_step_mask, step_with_logprob
+from diffusionrl.algorithms.sde import sde_step_mask, step_with_logprob
 
 
 def _inputs(seed=0, b=3):

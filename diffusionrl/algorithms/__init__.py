@@ -1,4 +1,5 @@
-"""Policy-update maths: advantages and the per-pair losses of each algorithm."""
+"""Policy-update maths: advantages, the per-pair losses of each algorithm, and the SDE steps with their
+log-probs that rollouts and recomputation share (``sde``)."""
 
 from .advantages import Advantages, group_advantages
 from .flow_grpo import FlowGRPOTerms, flow_grpo_terms, ratio_stats

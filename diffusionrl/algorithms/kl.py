@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from diffusionrl.sampling import mean_over_sample
+from .sde import mean_over_sample
 
 
 def fp32(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusionrl.sampling import mean_over_sample, per_sample
+from .sde import mean_over_sample, per_sample
 
 WEIGHT_FLOOR = 1e-5  # the reference's lower clip of the adaptive weights (avoids 1 / 0 at x0_hat == x0)
 

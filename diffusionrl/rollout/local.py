@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from diffusionrl.algorithms.sde import step_with_logprob
 from diffusionrl.models.base import FlowAdapter
-from diffusionrl.sampling import step_with_logprob
 from diffusionrl.trajectory import Conditioning, Trajectory
 
 from .base import SamplingSpec

@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 from diffusionrl.algorithms.advantages import group_advantages
+from diffusionrl.algorithms.sde import sde_step_mask
 from diffusionrl.checkpoint import CheckpointState
 from diffusionrl.data import PromptSampler, PromptSet
 from diffusionrl.evaluation import eval_spec
 from diffusionrl.heldout import HeldOutProbe
 from diffusionrl.rewards import reward_metrics
 from diffusionrl.rollout.base import SamplingSpec
-from diffusionrl.sampling import sde_step_mask
 from diffusionrl.trajectory import Trajectory
 from diffusionrl.video import grid, save_picture
 

@@ -14,8 +14,8 @@ import torch
 
 from diffusionrl.algorithms.flow_grpo import flow_grpo_terms, ratio_stats
 from diffusionrl.algorithms.kl import gaussian_kl, velocity_kl
+from diffusionrl.algorithms.sde import StepOutput, step_with_logprob
 from diffusionrl.config_objectives import resolved_kl_space
-from diffusionrl.sampling import StepOutput, step_with_logprob
 from diffusionrl.trajectory import Trajectory
 
 from .policy import LoraPolicy
