@@ -27,13 +27,11 @@ import time
 
 import _common  # sets sys.path and offline env
 
-from diffusionrl.config import PRESETS, Config
-from diffusionrl.config_objectives import ALGORITHMS
-from diffusionrl.configtree import apply_overrides
+from diffusionrl.config import ALGORITHMS, PRESETS, Config, apply_overrides
+from diffusionrl.config.presets import TINY_CPU_SHAPES, preset_changes
 from diffusionrl.data import load_prompts
 from diffusionrl.evaluation import evaluate_lora
 from diffusionrl.heldout import hacking_alarms
-from diffusionrl.presets import TINY_CPU_SHAPES, preset_changes
 from diffusionrl.report import category_table
 from diffusionrl.train import build_loop
 

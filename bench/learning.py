@@ -20,8 +20,7 @@ import time
 import _common  # sets sys.path and offline env
 import numpy as np
 
-from diffusionrl.config import PRESETS, load_config
-from diffusionrl.config_objectives import ALGORITHMS
+from diffusionrl.config import ALGORITHMS, PRESETS, load_config
 from diffusionrl.train import build_loop
 
 

@@ -6,7 +6,7 @@ diffusionrl.config``) print that line alone and exit with status 2; the Flyte ta
 errors with the same text, without the library frames below the task (``tasks.common.user_errors``).
 Anything else that escapes is a bug and keeps its traceback.
 
-This module imports nothing, so every part of the library (and ``diffusionrl.configtree``, which
+This module imports nothing, so every part of the library (and ``diffusionrl.config.tree``, which
 imports no schema) can use it.
 """
 

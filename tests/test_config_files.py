@@ -21,7 +21,7 @@ def test_every_preset_has_a_file_and_every_file_a_preset():
     files = {path.stem for path in CONFIGS.glob("*.yaml")}
     problems = [f"preset {name!r} has no configs/{name}.yaml; write it with `{_regenerate(name)}`"
                 for name in sorted(set(PRESETS) - files)]
-    problems += [f"configs/{name}.yaml has no preset {name!r} in diffusionrl/presets.py; add the preset or "
+    problems += [f"configs/{name}.yaml has no preset {name!r} in diffusionrl/config/presets.py; add the preset or "
                  "delete the file" for name in sorted(files - set(PRESETS))]
     assert not problems, "\n".join(problems)
 

@@ -63,7 +63,7 @@ def test_tags_follow_dependencies_not_library_code(checkout):
 
     # Library edits (changed, added files; a config preset; pyproject outside the dependencies):
     # code travels with fast registration, the images stay.
-    config_py = checkout / "diffusionrl" / "config.py"
+    config_py = checkout / "diffusionrl" / "config" / "root.py"
     config_py.write_text(config_py.read_text() + "\n# edit\n")
     (checkout / "diffusionrl" / "new_module.py").write_text("X = 1\n")
     (checkout / "configs" / "tiny-cpu.yaml").write_text("edited: true\n")

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusionrl.config import PRESETS, load_config
-from diffusionrl.config_objectives import ALGORITHMS
+from diffusionrl.config import ALGORITHMS, PRESETS, load_config
 from diffusionrl.train import build_loop, train
 from diffusionrl.training.objective import OBJECTIVES, objective_class
 

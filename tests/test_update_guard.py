@@ -1,5 +1,5 @@
 """Runs that train nothing stop in one line (``training.guard``), and configs that can form no
-advantage or pair are refused before any model loads (``config_objectives.check_objective_fit``)."""
+advantage or pair are refused before any model loads (``config.objectives.check_objective_fit``)."""
 
 from __future__ import annotations
 

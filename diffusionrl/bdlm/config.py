@@ -2,7 +2,7 @@
 
 Sections: ``model`` (network and decoding), ``task`` (the verifiable digit task and its splits),
 ``warm_start`` (masked-diffusion supervised stage), ``grpo`` (RL on exact traces) and ``eval``.
-Same conventions as the image ``Config`` (both are built on ``diffusionrl.configtree``): every
+Same conventions as the image ``Config`` (both are built on ``diffusionrl.config.tree``): every
 default lives here once, each field carries its help text, unknown keys and inconsistent settings
 are rejected with a message that says what to change, and the tree stays plain so that it travels
 as a Flyte dataclass input.
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffusionrl.config import TrackingConfig
-from diffusionrl.configtree import (
+from diffusionrl.config import (
     ConfigError,
     ConfigTree,
+    TrackingConfig,
     apply_overrides,
     check_choice,
     check_positive,

@@ -167,7 +167,7 @@ class FlowAdapter:
         """The latent shape of one sample: ``latent_shape`` for an image family (``num_frames`` must
         be 1); a video family (``video = True``) overrides it with ``(C, F', H, W)``."""
         if num_frames != 1:
-            from diffusionrl.configtree import ConfigError
+            from diffusionrl.config import ConfigError
 
             raise ConfigError(f"sampling.num_frames={num_frames}, but {self.family} makes images: set "
                               "sampling.num_frames=1")

@@ -192,7 +192,7 @@ def check_model(reference: str, revision: str = "", num_frames: int = 1,
     if folder is not None:
         check_weights(folder, key)
     if not getattr(adapter, "video", False) and num_frames != 1:
-        from diffusionrl.configtree import ConfigError
+        from diffusionrl.config import ConfigError
 
         raise ConfigError(f"sampling.num_frames={num_frames}, but {reference} is an image model ({adapter.family}); "
                           "set sampling.num_frames=1, or use a video model (e.g. builtin:tiny-wan)")

@@ -57,7 +57,7 @@ class WanAdapter(FlowAdapter):
         """Latent frames of ``num_frames`` pixel frames (the causal VAE keeps the first frame alone)."""
         r = self.temporal_scale_factor
         if num_frames < 1 or (num_frames - 1) % r:
-            from diffusionrl.configtree import ConfigError
+            from diffusionrl.config import ConfigError
 
             raise ConfigError(f"sampling.num_frames={num_frames}: Wan takes 1 + {r}k frames (1, 5, 9, ..., 81); "
                               "set one of those")

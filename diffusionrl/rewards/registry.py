@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from diffusionrl.configtree import ConfigError
+from diffusionrl.config import ConfigError
 
 from .base import _REGISTRY, Reward, validates_prompts
 

@@ -15,7 +15,7 @@ import torch
 from diffusionrl.algorithms.flow_grpo import flow_grpo_terms, ratio_stats
 from diffusionrl.algorithms.kl import gaussian_kl, velocity_kl
 from diffusionrl.algorithms.sde import StepOutput, step_with_logprob
-from diffusionrl.config_objectives import resolved_kl_space
+from diffusionrl.config import resolved_kl_space
 from diffusionrl.trajectory import Trajectory
 
 from .policy import LoraPolicy

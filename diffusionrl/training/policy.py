@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
-from diffusionrl.configtree import ConfigError
+from diffusionrl.config import ConfigError
 from diffusionrl.models.base import FlowAdapter
 
 

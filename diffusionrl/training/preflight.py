@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffusionrl.configtree import ConfigError
+from diffusionrl.config import ConfigError
 
 LORA_FILE = "adapter_model.safetensors"
 LORA_HINT = "give a peft LoRA folder (a run's <out>/lora, with adapter_model.safetensors)"

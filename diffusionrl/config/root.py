@@ -1,16 +1,16 @@
 """The typed configuration tree of an image run (``Config``) and its loader.
 
-Every default lives once, in its section (``diffusionrl.config_sections``): ``model``, ``sampling``,
+Every default lives once, in its section (``diffusionrl.config.sections``): ``model``, ``sampling``,
 ``algorithm``, ``reward``, ``train``, ``eval``, ``data`` and ``tracking``. Each field carries its
 help text in ``metadata["help"]``. Presets are named configurations (``tiny-cpu``, ``sd35m-ocr``,
-...; ``diffusionrl.presets``); a YAML/JSON file and dotted ``key=value`` overrides are applied on
+...; ``diffusionrl.config.presets``); a YAML/JSON file and dotted ``key=value`` overrides are applied on
 top of a preset (any partial tree is laid over the preset its ``preset`` key names). Unknown keys,
 non-finite numbers and inconsistent settings are rejected with a one-line ``ConfigError`` that names
 the key and says what to change.
 
 The tree is kept plain (str/int/float/bool/list/dict leaves, no Optional dataclasses) so that it
 travels as a Flyte dataclass input and the Flyte console can show it with its defaults. The generic
-machinery is ``diffusionrl.configtree``. ``python -m diffusionrl.config --preset NAME [--config
+machinery is ``diffusionrl.config.tree``. ``python -m diffusionrl.config --preset NAME [--config
 FILE] [--set k=v ...]`` prints the full config as YAML (how ``configs/*.yaml`` are made).
 """
 
@@ -21,8 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from diffusionrl.config_objectives import check_objective_fit
-from diffusionrl.config_sections import (  # the sections, re-exported: callers import them from here
+from diffusionrl.errors import run_cli
+
+from .objectives import check_objective_fit
+from .presets import PRESETS, preset_changes
+from .sections import (
     AlgorithmConfig,
     DataConfig,
     EvalConfig,
@@ -32,21 +35,13 @@ from diffusionrl.config_sections import (  # the sections, re-exported: callers 
     TrackingConfig,
     TrainConfig,
 )
-from diffusionrl.configtree import (
+from .tree import (
     ConfigError,
     ConfigTree,
     apply_overrides,
     option,
     read_config_file,
 )
-from diffusionrl.errors import run_cli
-from diffusionrl.presets import PRESETS, SD3_LORA_TARGETS, preset_changes
-
-__all__ = [  # the schema, its loader and CLI, and the machinery callers import from here
-    "PRESETS", "SD3_LORA_TARGETS", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree", "DataConfig",
-    "EvalConfig", "ModelConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
-    "apply_overrides", "describe", "dump_preset", "get_preset", "load_config", "main", "read_config_file",
-]
 
 
 @dataclass
@@ -104,7 +99,7 @@ SECTIONS: dict[str, type] = {
 
 
 def get_preset(name: str) -> Config:
-    """The named preset: its change sets (``diffusionrl.presets``) laid over the schema's defaults."""
+    """The named preset: its change sets (``diffusionrl.config.presets``) laid over the schema's defaults."""
     data = Config().to_dict()
     for changes in preset_changes(name):
         data = Config.merge_dicts(data, changes, f"preset {name}")
@@ -151,6 +146,3 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     return run_cli(lambda: print(dump_preset(args.preset, args.config, args.overrides), end=""))
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

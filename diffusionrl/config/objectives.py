@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffusionrl.configtree import ConfigError, check_choice, check_positive, option
+from .tree import ConfigError, check_choice, check_positive, option
 
 # algorithm.name -> objective (training/objective.py OBJECTIVES holds the classes)
 ALGORITHMS = ("flow_grpo", "nft", "grpo_guard", "dppo", "awm", "dpo", "sft")

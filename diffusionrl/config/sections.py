@@ -8,15 +8,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from diffusionrl.config_objectives import ALGORITHMS, ObjectiveOptions
-from diffusionrl.configtree import (
+from .objectives import ALGORITHMS, ObjectiveOptions
+from .presets import SD3_LORA_TARGETS
+from .tree import (
     ConfigError,
     check_choice,
     check_device,
     check_positive,
     option,
 )
-from diffusionrl.presets import SD3_LORA_TARGETS
 
 
 @dataclass
@@ -132,7 +132,7 @@ class SamplingConfig:
 
 
 @dataclass
-class AlgorithmConfig(ObjectiveOptions):  # the objective-specific keys: diffusionrl/config_objectives.py
+class AlgorithmConfig(ObjectiveOptions):  # the objective-specific keys: diffusionrl/config/objectives.py
     name: str = option("flow_grpo", "Policy update: flow_grpo | nft | grpo_guard | dppo | awm | dpo | sft")
     clip_range: float = option(1e-4, "PPO ratio clip epsilon (log-probs are per-element means, hence tiny)")
     kl_beta: float = option(0.04, "Weight of the KL term against the LoRA-disabled reference (0 skips it)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffusionrl.configtree import lookup_preset
+from .tree import lookup_preset
 
 # The attention projections the SD3.5 reference recipes adapt: the schema's default
 # ``model.lora_targets`` (diffusionrl.config) and the base of the tiny presets' list.

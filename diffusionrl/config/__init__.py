@@ -1,0 +1,46 @@
+"""The configuration of an image run: the ``Config`` tree, its sections, presets and loader.
+
+- ``root``: ``Config`` (the sections assembled, cross-section checks), ``load_config`` /
+  ``get_preset`` / ``dump_preset`` and the CLI, ``python -m diffusionrl.config --preset NAME``
+  (``__main__``), which prints the full config as YAML (how ``configs/*.yaml`` are made);
+- ``sections``: the sections (``model``, ``sampling``, ``algorithm``, ``reward``, ``train``, ``eval``,
+  ``data``, ``tracking``), every default with its help text and its one-section checks;
+- ``objectives``: the objective-specific ``algorithm.*`` keys and ``check_objective_fit``;
+- ``presets``: the named presets as change sets over the defaults (data only, no schema);
+- ``tree``: the schema-free machinery ``Config`` and ``bdlm.BDLMConfig`` share (``option`` fields,
+  checks, the dict round trip, YAML/JSON files, dotted overrides, ``ConfigError``).
+
+The schema (``root``, ``sections``) builds on ``tree``, ``objectives`` and ``presets``, never the
+reverse. Everything other modules import is re-exported here.
+"""
+
+from .objectives import ALGORITHMS, resolved_kl_space
+from .presets import PRESETS, SD3_LORA_TARGETS
+from .root import Config, describe, dump_preset, get_preset, load_config, main
+from .sections import (
+    AlgorithmConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    RewardConfig,
+    SamplingConfig,
+    TrackingConfig,
+    TrainConfig,
+)
+from .tree import (
+    ConfigError,
+    ConfigTree,
+    apply_overrides,
+    check_choice,
+    check_positive,
+    lookup_preset,
+    option,
+    read_config_file,
+)
+
+__all__ = [
+    "ALGORITHMS", "PRESETS", "SD3_LORA_TARGETS", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree",
+    "DataConfig", "EvalConfig", "ModelConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
+    "apply_overrides", "check_choice", "check_positive", "describe", "dump_preset", "get_preset", "load_config",
+    "lookup_preset", "main", "option", "read_config_file", "resolved_kl_space",
+]
