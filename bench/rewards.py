@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from diffusionrl.config import RewardConfig
-from diffusionrl.data_ocr import generate_ocr_prompts
+from diffusionrl.data.ocr import generate_ocr_prompts
 from diffusionrl.rewards.ocr import render_text_image
 from diffusionrl.rewards.pool import RewardActorPool, ensure_ray
 

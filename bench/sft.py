@@ -18,7 +18,7 @@ import time
 import _common  # sets sys.path and offline env
 
 from diffusionrl.config import load_config
-from diffusionrl.data_sft import shape_pairs
+from diffusionrl.data import shape_pairs
 from diffusionrl.train import build_loop
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from diffusionrl.config import load_config
 from diffusionrl.data import load_prompts
-from diffusionrl.data_shapes import CATEGORIES
+from diffusionrl.data.shapes import CATEGORIES
 from diffusionrl.evaluation import eval_samples, eval_spec
 from diffusionrl.heldout import diversity
 from diffusionrl.models import load_adapter

@@ -109,7 +109,7 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
 def build_sft_loop(cfg: Config, out_dir: str | Path, *, callbacks: list[Callback] | None = None,
                    progress: bool | None = None, model_path: str | None = None) -> RunLoop:
     """A ``RunLoop`` over ``training.sft.SFTBackend`` (``algorithm.name=sft``, docs/algorithms.md 14.7)."""
-    from diffusionrl.data_sft import load_image_pairs
+    from diffusionrl.data import load_image_pairs
     from diffusionrl.storage import check_local_out
     from diffusionrl.training.guard import UpdateGuard
     from diffusionrl.training.local_worker import LocalPolicyWorker

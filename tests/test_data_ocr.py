@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from diffusionrl.data_ocr import MAX_TEXT_CHARS, candidate_texts, generate_ocr_prompts, write_ocr_jsonl
+from diffusionrl.data.ocr import MAX_TEXT_CHARS, candidate_texts, generate_ocr_prompts, write_ocr_jsonl
 from diffusionrl.rewards.ocr import normalize_text, quoted_text, validate_ocr_prompts
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from diffusionrl.config import RewardConfig
-from diffusionrl.data_shapes import COLORS, draw_scene, layout, render, shape_prompts
+from diffusionrl.data.shapes import COLORS, draw_scene, layout, render, shape_prompts
 from diffusionrl.rewards import MixtureReward, build_reward, prompt_validator
 from diffusionrl.rewards.geneval_mini import detect, judge
 

@@ -102,7 +102,7 @@ def test_init_lora_must_name_a_lora_folder(tmp_path):
 
 
 def test_a_bad_sft_source_is_one_line(tmp_path):
-    from diffusionrl.data_sft import check_sft_source, load_image_pairs
+    from diffusionrl.data import check_sft_source, load_image_pairs
 
     with pytest.raises(PromptDataError, match=r"'abc' is not a number of scenes; write builtin:shapes:N"):
         load_image_pairs("builtin:shapes:abc", 32)

@@ -14,8 +14,7 @@ from PIL import Image
 
 from diffusionrl.checkpoint import CheckpointMismatch
 from diffusionrl.config import ConfigError
-from diffusionrl.data import PromptDataError
-from diffusionrl.data_sft import load_image_pairs
+from diffusionrl.data import PromptDataError, load_image_pairs
 from diffusionrl.train import build_loop, train, train_sft
 from diffusionrl.training.trainer import UpdateStats
 
@@ -166,7 +165,7 @@ def test_configuration_fails_closed(tmp_path):
 
 
 def test_sft_lowers_the_flow_matching_loss_on_held_out_pairs(tmp_path):
-    from diffusionrl.data_sft import shape_pairs
+    from diffusionrl.data import shape_pairs
 
     cfg = tiny_config("train.steps=4", "train.learning_rate=1e-2", "train.checkpoint_every=0", preset=SFT)
     loop = build_loop(cfg, tmp_path, progress=False)

@@ -5,7 +5,7 @@ import pytest
 
 from diffusionrl.config import load_config
 from diffusionrl.data import load_prompts
-from diffusionrl.data_shapes import CATEGORIES
+from diffusionrl.data.shapes import CATEGORIES
 from diffusionrl.evaluation import evaluate_lora
 from diffusionrl.train import train
 

@@ -1,4 +1,4 @@
-"""The shapes world (diffusionrl/data_shapes.py): prompts, splits, and drawings that match their specs."""
+"""The shapes world (diffusionrl/data/shapes.py): prompts, splits, and drawings that match their specs."""
 
 import json
 from collections import Counter
@@ -8,7 +8,7 @@ import pytest
 
 from diffusionrl.config import DataConfig
 from diffusionrl.data import load_prompts
-from diffusionrl.data_shapes import (
+from diffusionrl.data.shapes import (
     CATEGORIES,
     COLORS,
     draw_scene,

@@ -49,7 +49,7 @@ class ObjectiveOptions:
     )
     sft_source: str = option(
         "", "SFT (prompt, image) pairs: a folder of images with prompts.jsonl/metadata.jsonl, a .parquet with "
-        "prompt and image-bytes columns, or builtin:shapes[:N] (diffusionrl/data_sft.py)"
+        "prompt and image-bytes columns, or builtin:shapes[:N] (diffusionrl/data/image_pairs.py)"
     )
     init_lora: str = option("", "peft LoRA folder the policy starts from (e.g. an SFT run's lora/); '' = fresh init")
 

@@ -3,7 +3,7 @@
 Two stages, seeded and resumable (``--work`` holds ``state.pt``, written every ``--save-every`` steps
 and when the process is told to stop, e.g. by ``timeout``; a re-run with the same ``--work`` continues):
 
-1. the VAE: scenes of the training prompts (``data_shapes.world_splits``; held-out prompts are never
+1. the VAE: scenes of the training prompts (``data.shapes.world_splits``; held-out prompts are never
    drawn), reconstruction MSE plus a small KL term, so that ``decode(encode(x))`` reproduces them;
    then the latents' mean and std become the VAE's ``shift_factor`` and ``1 / scaling_factor``;
 2. the transformer and the three text encoders together by rectified-flow matching (SD3's
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusionrl.data_shapes import DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, scene_pairs, world_splits
+from diffusionrl.data.shapes import DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, scene_pairs, world_splits
 
 from .tiny_shapes import MAX_SEQUENCE_LENGTH, SCHEDULER_SHIFT, SHAPES_WEIGHTS, TRAINED, build_shapes_pipeline
 

@@ -2,7 +2,7 @@
 
 The same real diffusers/transformers classes as ``builtin:tiny-sd3`` (SD3Transformer2DModel,
 AutoencoderKL, two CLIPTextModelWithProjection, T5EncoderModel, FlowMatchEulerDiscreteScheduler), with
-a vocabulary of the world's words (``diffusionrl.data_shapes``), sized for the world at 64 px: a VAE
+a vocabulary of the world's words (``diffusionrl.data.shapes``), sized for the world at 64 px: a VAE
 with 4x spatial compression and 4 latent channels (16x16 latents: a world object spans 4-5 latent
 cells, so its outline survives), a transformer of 6 joint blocks of width 128 (3.5 M parameters) on
 64 image tokens (patch 2), and text encoders trained with it. ``build_shapes_components(weights=None)``

@@ -1,4 +1,4 @@
-"""``geneval_mini``: a strict GenEval judge of the shapes world (``diffusionrl.data_shapes``).
+"""``geneval_mini``: a strict GenEval judge of the shapes world (``diffusionrl.data.shapes``).
 
 A detector made of OpenCV image processing instead of GenEval's Mask2Former + CLIP. Pixels are
 classified by colour in HSV: saturated pixels whose hue is near one of the world's four colours
@@ -12,7 +12,7 @@ from square, it is a *blob*: no shape at all.
 Each image is then judged strictly against its prompt's spec (the row's ``spec`` field):
 ``success`` when the image holds **exactly** the asked objects -- every asked shape as often as
 asked, in the asked colour where one is asked, no other object, no blob -- and the asked relation
-(GenEval's ``relative_position``, ``data_shapes.relations``) holds between the matched objects.
+(GenEval's ``relative_position``, ``data.shapes.relations``) holds between the matched objects.
 The partial-credit ``score`` in [0, 1] is what the reward returns: asked objects and detections are
 matched one to one (``scipy.optimize.linear_sum_assignment``; a match is worth 1 when shape and
 colour are right, 1/2 when the shape is right and an asked colour is not), and
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffusionrl.data_shapes import COLORS, relations
+from diffusionrl.data.shapes import COLORS, relations
 
 from .base import Reward, RewardResult, register_reward
 
@@ -60,7 +60,7 @@ class Detection:
 
 
 def _templates(w: int, h: int) -> dict[str, np.ndarray]:
-    """Ideal masks of the world's shapes filling a ``w x h`` box (as ``data_shapes._draw`` draws them)."""
+    """Ideal masks of the world's shapes filling a ``w x h`` box (as ``data.shapes._draw`` draws them)."""
     import cv2
 
     y, x = np.mgrid[0:h, 0:w]

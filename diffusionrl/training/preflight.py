@@ -80,10 +80,10 @@ def check_early(cfg, run_folder: str = "") -> None:
     (``check_model``, as the worker will; a hub id is left to ``fetch_checkpoint``, which has the
     token), the object store of the run folder ``run_folder`` answers this task's credentials
     (``storage.check_store_access``), an SFT run's ``algorithm.sft_source`` exists and parses
-    (``data_sft.check_sft_source``), and ``algorithm.init_lora`` names a LoRA. Otherwise each would
+    (``data.image_pairs.check_sft_source``), and ``algorithm.init_lora`` names a LoRA. Otherwise each would
     fail only inside training, after the model was fetched, and a store without credentials as a
     ``NoCredentialsError`` not naming the URI."""
-    from diffusionrl.data_sft import check_sft_source
+    from diffusionrl.data import check_sft_source
     from diffusionrl.models.families import check_model, looks_like_path
     from diffusionrl.storage import check_run_folder, check_store_access
 

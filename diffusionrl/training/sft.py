@@ -3,7 +3,7 @@ before RL, in the same run loop, checkpoints and LoRA format.
 
 ``SFTBackend`` is a ``runloop.RunLoop`` backend (``diffusionrl.train.build_loop`` picks it for
 ``algorithm.name=sft``): step ``s`` takes ``train.prompts_per_step * train.group_size`` pairs of
-``algorithm.sft_source`` (``data_sft``; epoch-wise permutations seeded by ``(train.seed, epoch)``, the
+``algorithm.sft_source`` (``data.image_pairs``; epoch-wise permutations seeded by ``(train.seed, epoch)``, the
 prompt sampler's), encodes the images with the VAE and the prompts with the text encoders, and
 ``SFTObjective`` trains the flow-matching loss of the pretraining recipe:
 

@@ -7,7 +7,7 @@ Sources (``algorithm.sft_source``):
   prompt (``prompt`` or ``text``);
 - a ``.parquet`` file with a ``prompt`` (or ``text``) column and an ``image`` column of encoded
   image bytes (PNG/JPEG/WebP), or of ``{"bytes": ...}`` structs as Hugging Face datasets store them;
-- ``builtin:shapes`` (``builtin:shapes:N``): N seeded scenes of the shapes world (``diffusionrl.data_shapes``:
+- ``builtin:shapes`` (``builtin:shapes:N``): N seeded scenes of the shapes world (``diffusionrl.data.shapes``:
   1-4 coloured circles, squares, triangles on white) with their prompts, for tests and the tiny preset.
 
 Every row becomes ``{"prompt": str, "image": uint8 [resolution, resolution, 3]}`` (centre-cropped
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from diffusionrl.data import PromptDataError
+from .readers import PromptDataError
 
 
 def to_square(image, resolution: int) -> np.ndarray:
@@ -38,9 +38,9 @@ def to_square(image, resolution: int) -> np.ndarray:
 
 
 def shape_pairs(num: int, resolution: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``num`` seeded scenes of the shapes world (``diffusionrl.data_shapes``, all its prompts) with
+    """``num`` seeded scenes of the shapes world (``diffusionrl.data.shapes``, all its prompts) with
     their prompts."""
-    from diffusionrl.data_shapes import scene_pairs, shape_prompts
+    from .shapes import scene_pairs, shape_prompts
 
     return [{"prompt": p["prompt"], "image": p["image"]} for p in scene_pairs(shape_prompts(), num, resolution, seed)]
 

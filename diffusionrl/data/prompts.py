@@ -1,12 +1,14 @@
 """Prompt sources, validation and the deterministic train/test split.
 
 Sources (``data.source``):
-- ``builtin:objects``: a small generator of object/scene prompts (the tiny-model default);
-- ``builtin:ocr``: OCR text-rendering prompts (``diffusionrl.data_ocr``);
-- ``builtin:shapes``: the shapes world's prompts with their specs (``diffusionrl.data_shapes``);
+- ``builtin:objects``: a small generator of object/scene prompts (the tiny-model default;
+  ``diffusionrl.data.objects``);
+- ``builtin:ocr``: OCR text-rendering prompts (``diffusionrl.data.ocr``);
+- ``builtin:shapes``: the shapes world's prompts with their specs (``diffusionrl.data.shapes``);
 - a ``.txt`` file (one prompt a line), a ``.jsonl`` file (``{"prompt": ..., <metadata>}`` a line), a
-  ``.parquet`` file (a ``prompt`` column plus metadata columns); a folder in the flowgrpo layout: one
-  ``train`` and one ``test`` file of those kinds (e.g. ``train.jsonl`` + ``test.txt``), its split kept;
+  ``.parquet`` file (a ``prompt`` column plus metadata columns; the readers: ``diffusionrl.data.readers``);
+  a folder in the flowgrpo layout: one ``train`` and one ``test`` file of those kinds (e.g. ``train.jsonl``
+  + ``test.txt``), its split kept;
 - ``hf://datasets/<owner>/<repo>/<path>[@revision]``: a file of a Hugging Face dataset repo,
   downloaded with ``HF_TOKEN`` (unreachable offline; same parsers).
 
@@ -31,16 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from diffusionrl.errors import UserError
+from .objects import generate_object_prompts
+from .readers import READERS, PromptDataError, read_file
 
 log = logging.getLogger(__name__)
-
-
-class PromptDataError(UserError):
-    """Prompt data that cannot be used: a malformed row (the message names the file and line), a
-    missing file, a split that is missing or empty."""
-
-    kind = "prompt data error"
 
 
 @dataclass
@@ -62,114 +58,6 @@ def rows_digest(*splits: list[dict[str, Any]]) -> str:
         h.update(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
         h.update(b"\x00")
     return h.hexdigest()[:16]
-
-
-# -- built-in generators -------------------------------------------------------------------------
-
-_COLORS = "red green blue yellow orange purple pink black white brown golden silver".split()
-_ADJ = "small large old new bright dark shiny wooden metal glass stone tiny".split()
-_OBJECTS = (
-    "cat dog bird fish horse car bus bike boat tree flower house apple banana cake cup bottle "
-    "book chair table lamp clock robot castle bridge hat shoe ball"
-).split()
-_PLACES = (
-    "on the beach|in the forest|in a city street|on a mountain|by the river|on a table|in the snow|"
-    "at night|in the garden|in a desert|under a cloudy sky|in the morning"
-).split("|")
-
-
-def generate_object_prompts(num_prompts: int, seed: int) -> list[dict[str, Any]]:
-    """Distinct "a <adj> <color> <object> <place>" prompts, deterministic by seed."""
-    rng = np.random.default_rng(seed)
-    seen: dict[str, None] = {}
-    capacity = len(_COLORS) * len(_ADJ) * len(_OBJECTS) * len(_PLACES)
-    if num_prompts > capacity:
-        raise ValueError(f"builtin:objects can make at most {capacity} distinct prompts, asked for {num_prompts}")
-    while len(seen) < num_prompts:
-        p = (
-            f"a {_ADJ[rng.integers(len(_ADJ))]} {_COLORS[rng.integers(len(_COLORS))]} "
-            f"{_OBJECTS[rng.integers(len(_OBJECTS))]} {_PLACES[rng.integers(len(_PLACES))]}"
-        )
-        seen.setdefault(p, None)
-    return [{"prompt": p} for p in seen]
-
-
-# -- file parsers ----------------------------------------------------------------------------------
-
-
-def _row(obj: Any, where: str) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise PromptDataError(f"{where}: expected a JSON object with a 'prompt' field, got {type(obj).__name__}")
-    if "prompt" not in obj:
-        raise PromptDataError(f"{where}: missing the 'prompt' field (keys: {sorted(obj)})")
-    if not isinstance(obj["prompt"], str):
-        raise PromptDataError(f"{where}: 'prompt' must be a string, got {type(obj['prompt']).__name__}")
-    return dict(obj)
-
-
-def read_txt(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-    name = name or str(path)
-    try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a leading byte-order mark is dropped
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise PromptDataError(f"{name}:{line}: not valid UTF-8 ({exc.reason})") from exc
-    return [(f"{name}:{i}", {"prompt": line}) for i, line in enumerate(lines, start=1)]
-
-
-def read_jsonl(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-    name = name or str(path)
-    rows = []
-    with path.open("rb") as fh:
-        for i, raw in enumerate(fh, start=1):
-            where = f"{name}:{i}"
-            try:
-                text = raw.decode("utf-8-sig" if i == 1 else "utf-8")  # a byte-order mark opens line 1 only
-            except UnicodeDecodeError as exc:
-                raise PromptDataError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
-            if not text.strip():
-                rows.append((where, {"prompt": ""}))  # counted as blank
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise PromptDataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-            rows.append((where, _row(obj, where)))
-    return rows
-
-
-def read_parquet(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-    import pyarrow.parquet as pq
-
-    name = name or str(path)
-    table = pq.read_table(path)
-    if "prompt" not in table.column_names:
-        raise PromptDataError(f"{name}: no 'prompt' column (columns: {table.column_names})")
-    rows = []
-    for i, obj in enumerate(table.to_pylist(), start=1):
-        where = f"{name}: row {i}"
-        if obj.get("prompt") is None:
-            obj["prompt"] = ""
-        rows.append((where, _row(obj, where)))
-    return rows
-
-
-_READERS = {".txt": read_txt, ".jsonl": read_jsonl, ".parquet": read_parquet}
-
-
-def read_file(path: Path, name: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """``(where, row)`` pairs of a prompt file, ``where`` naming its file and line (or Parquet row)."""
-    if not path.exists():
-        raise PromptDataError(f"no such file or folder: {name or path}")
-    reader = _READERS.get(path.suffix.lower())
-    if reader is None:
-        raise PromptDataError(
-            f"{name or path}: unsupported prompt file type {path.suffix!r}; use .txt, .jsonl or .parquet "
-            "(or a folder holding a train and a test file of those kinds)"
-        )
-    if not path.is_file():
-        raise PromptDataError(f"{name or path}: not a file")
-    return reader(path, name)
 
 
 def clean_rows(
@@ -303,8 +191,8 @@ def _generated(source: str, cfg) -> tuple[list[dict], list[dict]]:
     """The train and test rows of a built-in generator (``cfg``: the ``DataConfig``)."""
     if source == "builtin:objects":
         return split_rows(generate_object_prompts(cfg.num_prompts, cfg.seed), cfg.test_fraction, cfg.seed)
-    from diffusionrl.data_ocr import generate_ocr_prompts
-    from diffusionrl.data_shapes import generate_shape_prompts
+    from .ocr import generate_ocr_prompts
+    from .shapes import generate_shape_prompts
     generate = generate_ocr_prompts if source == "builtin:ocr" else generate_shape_prompts
     return generate(cfg.num_prompts, cfg.seed, cfg.test_fraction)
 
@@ -357,14 +245,14 @@ def _check_splits(source: str, train: list[dict], test: list[dict], test_fractio
 def _read_split_folder(folder: Path, name: str, stats: dict[str, int], validate=None) -> tuple[list[dict], list[dict]]:
     """The given split of a folder: exactly one ``train`` and one ``test`` file of any supported kind.
     Test rows that repeat a training prompt are dropped as duplicates; each split must keep a row."""
-    files = {split: sorted(p for p in folder.iterdir() if p.stem == split and p.suffix.lower() in _READERS)
+    files = {split: sorted(p for p in folder.iterdir() if p.stem == split and p.suffix.lower() in READERS)
              for split in ("train", "test")}
     for split, other in (("train", "test"), ("test", "train")):
         found = files[split]
         if not found:
             beside = f" beside {files[other][0].name}" if files[other] else ""
             raise PromptDataError(
-                f"{name}: no {split} split in this folder; put one of {', '.join(split + k for k in _READERS)}{beside}"
+                f"{name}: no {split} split in this folder; put one of {', '.join(split + k for k in READERS)}{beside}"
             )
         if len(found) > 1:
             raise PromptDataError(f"{name}: {' and '.join(p.name for p in found)} are both {split} splits; keep one")
