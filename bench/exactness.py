@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from diffusionrl.config import load_config
-from diffusionrl.runloop import RunLoop
+from diffusionrl.run import RunLoop
 from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 

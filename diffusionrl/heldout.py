@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from diffusionrl.callbacks import Callback
+from diffusionrl.run import Callback
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ run, changing what is optimised (learning rate, data, seed, ...) needs ``--allow
 (each change is recorded in ``<out>/config_changes.jsonl``), and so does a prompt file, SFT pair
 set or initial LoRA rewritten at the same path (their digests are in the checkpoint,
 ``input_digests``). Two runs cannot share ``--out``: the second refuses in one line naming the
-first (``diffusionrl.runlock``). ``--fresh`` starts over in ``--out``: the previous run's
+first (``diffusionrl.run.lock``). ``--fresh`` starts over in ``--out``: the previous run's
 checkpoints, metrics.jsonl and config.json are moved to ``<out>/previous-run-<time>/``, never
 deleted (its lora/ is replaced when the new run ends; its final LoRA stays in its last checkpoint).
 A mistake in the config, the prompts or the run folder (a ``diffusionrl.errors.UserError``) is one
@@ -32,7 +32,7 @@ from pathlib import Path
 from diffusionrl.config import Config, apply_overrides, describe, load_config
 from diffusionrl.errors import run_cli
 from diffusionrl.heldout import HackingAlarm
-from diffusionrl.runloop import RUN_CONTROL_KEYS, Callback, RunLoop, RunResult, Schedule
+from diffusionrl.run import RUN_CONTROL_KEYS, Callback, RunLoop, RunResult, Schedule
 
 KEYS = (
     "rollout/reward/raw_mean",
@@ -50,7 +50,7 @@ KEYS = (
     "alarm/hacking",
 )
 
-# Config keys a resumed image run may change (``runloop.RUN_CONTROL_KEYS`` and these): how long to
+# Config keys a resumed image run may change (``run.loop.RUN_CONTROL_KEYS`` and these): how long to
 # run, checkpoint cadence, what is logged, and the layout (ranks, engines, actors, threads, device),
 # which does not change the objective (2 ranks give one process's gradient, docs/scaling.md).
 FREE_KEYS = RUN_CONTROL_KEYS + (
@@ -75,7 +75,7 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
 
     from diffusionrl.data import load_prompts
     from diffusionrl.rewards import make_scorer, prompt_validator
-    from diffusionrl.storage import check_local_out
+    from diffusionrl.run import check_local_out
     from diffusionrl.training.backend import ImageBackend
     from diffusionrl.training.guard import UpdateGuard
 
@@ -110,7 +110,7 @@ def build_sft_loop(cfg: Config, out_dir: str | Path, *, callbacks: list[Callback
                    progress: bool | None = None, model_path: str | None = None) -> RunLoop:
     """A ``RunLoop`` over ``training.sft.SFTBackend`` (``algorithm.name=sft``, docs/algorithms.md 14.7)."""
     from diffusionrl.data import load_image_pairs
-    from diffusionrl.storage import check_local_out
+    from diffusionrl.run import check_local_out
     from diffusionrl.training.guard import UpdateGuard
     from diffusionrl.training.local_worker import LocalPolicyWorker
     from diffusionrl.training.sft import SFTBackend
@@ -207,10 +207,9 @@ def train_sft(cfg: Config, out_dir: str | Path, source: str | None = None, **kw)
 def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", stop_after: int | None = None,
           allow_config_change: bool = False, **kw) -> RunResult:
     """Build a loop for ``cfg`` (``build_loop``'s keywords) and run it to the end (``RunLoop.run``).
-    ``out_dir`` is owned from before the model loads (``runlock``): a folder another run holds
+    ``out_dir`` is owned from before the model loads (``run.lock``): a folder another run holds
     fails at once, naming it, not after minutes of loading."""
-    from diffusionrl.runlock import hold_run_folder
-    from diffusionrl.storage import check_local_out
+    from diffusionrl.run import check_local_out, hold_run_folder
 
     check_local_out(out_dir)  # a URI here would be a local folder named like it (memory:/x): refused first
     with hold_run_folder(out_dir):

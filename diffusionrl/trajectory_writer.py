@@ -16,7 +16,7 @@ import queue
 import threading
 from pathlib import Path
 
-from diffusionrl.callbacks import Callback
+from diffusionrl.run import Callback
 
 _STOP = object()
 

@@ -51,8 +51,8 @@ DIGITS_CACHE = Cache(version="digits-v1")
 @user_errors
 def resolve_bdlm_config(config: BDLMConfig, overrides: list[str], checkpoint_dir: str = "") -> BDLMConfig:
     """The validated config; an object-store ``checkpoint_dir`` this task has no credentials for fails
-    here, in one line naming it (``storage.check_store_access``), not inside training."""
-    from diffusionrl.storage import check_run_folder, check_store_access
+    here, in one line naming it (``run.folder.check_store_access``), not inside training."""
+    from diffusionrl.run import check_run_folder, check_store_access
 
     cfg = BDLMConfig.from_dict(apply_overrides(config.to_dict(), overrides))
     if checkpoint_dir:
@@ -117,7 +117,7 @@ def warm_start_stage(config: BDLMConfig, run: TrackingRun, checkpoint_dir: str) 
     load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.bdlm import warm_start
-    from diffusionrl.storage import RunFolder
+    from diffusionrl.run import RunFolder
 
     staging = Path(current_context().working_directory) / "warm"
     folder = RunFolder(stage_dir(checkpoint_dir, "warm_start"), staging=staging)

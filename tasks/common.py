@@ -25,8 +25,8 @@ from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
 
 from diffusionrl import tracking
-from diffusionrl.callbacks import Callback
 from diffusionrl.errors import UserError
+from diffusionrl.run import Callback
 from diffusionrl.tracking import TrackingRun
 
 log = logging.getLogger(__name__)
@@ -160,16 +160,14 @@ def open_run_folder(uri: str):
     latest checkpoint, if any (a re-launched execution with the same ``checkpoint_dir``). The
     pointer is saved again at once: an attempt only sees the previous attempt's checkpoint.
 
-    The folder is owned (``runlock.hold_run_folder``: an object store's lease, renewed while the
+    The folder is owned (``run.lock.hold_run_folder``: an object store's lease, renewed while the
     attempt runs, or a local folder's lock) from before the resume point is read until the block
     ends, so a second execution with the same ``checkpoint_dir`` fails in one line naming the first
     instead of writing the folder too; the loop inside re-enters the hold for the staging folder. A
     lease left by a previous attempt of this execution (preempted: it could not release it) is
-    waited for until it expires (``runlock.LEASE_TTL_S``).
+    waited for until it expires (``run.lock.LEASE_TTL_S``).
     """
-    from diffusionrl.checkpoint import latest_checkpoint
-    from diffusionrl.runlock import hold_run_folder
-    from diffusionrl.storage import RunFolder
+    from diffusionrl.run import RunFolder, hold_run_folder, latest_checkpoint
 
     cp = flyte_checkpoint()
     restored = cp.restore() if cp is not None else None
@@ -199,7 +197,7 @@ def save_run_pointer(folder, step: int | None = None) -> None:
 
 
 class FlyteCheckpoints(Callback):
-    """After every loop checkpoint (published to the run folder by ``storage.SyncRunFolder``, which
+    """After every loop checkpoint (published to the run folder by ``run.folder.SyncRunFolder``, which
     runs first), the run folder pointer saved as the execution's Flyte checkpoint, what a retried
     attempt resumes from; ``$DIFFUSIONRL_FAULT_AFTER_STEPS=K`` fails the attempt retryably after
     K steps (tests, drills)."""
@@ -236,7 +234,7 @@ def config_change_allowed(on_config_change: str) -> bool:
 def run_callbacks(folder, keep: int, *writers: Callback) -> list[Callback]:
     """The train stage's callbacks in their order: what writes into the run folder, the sync to
     the store, the Flyte checkpoint pointer."""
-    from diffusionrl.storage import SyncRunFolder
+    from diffusionrl.run import SyncRunFolder
 
     return [*writers, SyncRunFolder(folder, keep), FlyteCheckpoints(folder)]
 
@@ -315,7 +313,7 @@ def publish_report(run: TrackingRun, page: str, run_dir: str) -> FlyteFile:
     Deck("Report", page)
     out = Path(tempfile.mkdtemp(dir=current_context().working_directory)) / "report.html"
     out.write_text(page)
-    from diffusionrl.storage import is_remote, write_text
+    from diffusionrl.run import is_remote, write_text
 
     if is_remote(run_dir) or Path(run_dir).is_dir():
         write_text(f"{run_dir.rstrip('/')}/report.html", page)

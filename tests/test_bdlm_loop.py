@@ -19,9 +19,9 @@ from diffusionrl.bdlm import (
     warm_start,
 )
 from diffusionrl.bdlm.backend import build_grpo_loop
-from diffusionrl.checkpoint import CheckpointMismatch, ConfigChanged
 from diffusionrl.config import ConfigError
-from diffusionrl.manifest import write_manifest
+from diffusionrl.run import CheckpointMismatch, ConfigChanged
+from diffusionrl.run.manifest import write_manifest
 
 # Two groups of four, two GRPO steps, a 2-layer 32-wide model: a whole run takes about a second.
 TINY = [

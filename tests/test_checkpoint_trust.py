@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from diffusionrl.checkpoint import (
+from diffusionrl.run.checkpoint import (
     CheckpointDamaged,
     CheckpointMismatch,
     CheckpointState,
@@ -22,7 +22,7 @@ from diffusionrl.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
-from diffusionrl.runloop import RUN_CONTROL_KEYS, MetricsFileError, RunLoop, Schedule, read_metrics
+from diffusionrl.run.loop import RUN_CONTROL_KEYS, MetricsFileError, RunLoop, Schedule, read_metrics
 
 FREE = RUN_CONTROL_KEYS + ("train.steps",)
 
@@ -345,7 +345,7 @@ def test_without_a_bar_each_step_prints_one_progress_line(tmp_path, capsys):
 
 
 def test_progress_lines_go_to_the_log_when_it_logs_info(tmp_path, capsys, caplog):
-    caplog.set_level(logging.INFO, logger="diffusionrl.runloop")
+    caplog.set_level(logging.INFO, logger="diffusionrl.run.loop")
     toy(tmp_path, steps=2, progress=None).run(resume=None)
     assert [r.getMessage().split(":")[0] for r in caplog.records if "toy step" in r.getMessage()] == [
         "toy step 1/2", "toy step 2/2"]

@@ -16,7 +16,7 @@ from diffusionrl.config import ConfigError
 from diffusionrl.data import PromptDataError
 from diffusionrl.errors import UserError
 from diffusionrl.models.families import ModelReferenceError, UnknownModelFamily, check_model, local_folder
-from diffusionrl.storage import RunFolderError, check_store_access
+from diffusionrl.run import RunFolderError, check_store_access
 from diffusionrl.training.preflight import check_early, check_init_lora
 
 from .conftest import tiny_config

@@ -10,8 +10,8 @@ import torch
 
 from diffusionrl.algorithms.awm import awm_terms, flow_matching_error
 from diffusionrl.algorithms.dpo import dpo_terms, preference_pairs
-from diffusionrl.checkpoint import CheckpointMismatch
 from diffusionrl.config import ConfigError
+from diffusionrl.run import CheckpointMismatch
 from diffusionrl.train import build_loop, train
 from diffusionrl.training.trainer import UpdateStats
 

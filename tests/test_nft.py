@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from diffusionrl.algorithms.nft import nft_optimality, nft_terms, noisy_latents, old_policy_eta
-from diffusionrl.checkpoint import CheckpointMismatch
 from diffusionrl.config import ConfigError, load_config
+from diffusionrl.run import CheckpointMismatch
 from diffusionrl.train import build_loop
 from diffusionrl.training.nft import TimestepPlan
 from diffusionrl.training.trainer import UpdateStats

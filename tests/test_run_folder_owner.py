@@ -1,4 +1,4 @@
-"""One run per run folder (``diffusionrl.runlock``): a second run in a folder another one holds
+"""One run per run folder (``diffusionrl.run.lock``): a second run in a folder another one holds
 refuses in one line naming the owner (pid@host, since when), for a local folder (flock) and an
 object-store one (a lease, ``memory://`` here); the folder is free once the owner ends, a lock or
 lease its owner could not release (killed, preempted) is taken over. The holders here are real
@@ -18,15 +18,14 @@ import uuid
 
 import pytest
 
-from diffusionrl import runlock
-from diffusionrl.callbacks import Callback
-from diffusionrl.runlock import LEASE_FILE, LOCK_FILE, Lease, RunFolderBusy, RunFolderLost, hold_run_folder
+from diffusionrl.run import Callback, lock
+from diffusionrl.run.lock import LEASE_FILE, LOCK_FILE, Lease, RunFolderBusy, RunFolderLost, hold_run_folder
 
 from .test_checkpoint_trust import toy
 
 HOLDER = """
 import sys
-from diffusionrl.runlock import hold_run_folder
+from diffusionrl.run import hold_run_folder
 with hold_run_folder(sys.argv[1]):
     print("held", flush=True)
     sys.stdin.read()  # until the test closes our stdin
@@ -80,7 +79,7 @@ def test_a_second_run_in_a_held_folder_refuses_naming_the_owner_and_runs_once_it
         toy(run).run(resume="auto")
     message = str(err.value)
     assert "\n" not in message
-    assert f"run folder {run} is in use by another run: pid {owner.pid}@{runlock.this_host()} since 20" in message
+    assert f"run folder {run} is in use by another run: pid {owner.pid}@{lock.this_host()} since 20" in message
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()  # touched nothing
     owner.stdin.close()
     assert owner.wait(timeout=30) == 0
@@ -104,7 +103,7 @@ def test_the_lock_names_this_run_while_it_runs(tmp_path):
     peek = Peek(lambda: json.loads((tmp_path / LOCK_FILE).read_text()))
     loop.callbacks.append(peek)
     loop.run(resume=None)
-    assert peek.seen[0]["pid"] == os.getpid() and peek.seen[0]["host"] == runlock.this_host()
+    assert peek.seen[0]["pid"] == os.getpid() and peek.seen[0]["host"] == lock.this_host()
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, holder, caplog):
@@ -120,7 +119,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, holder, caplog):
 def test_a_lock_still_held_for_a_dead_pid_of_this_host_is_replaced(tmp_path, holder, caplog):
     """A forked child of a killed run inherited the locked descriptor: the run named in the file is gone."""
     dead = ended_pid()
-    holder(tmp_path, ORPHAN, dead, runlock.this_host())
+    holder(tmp_path, ORPHAN, dead, lock.this_host())
     caplog.set_level(logging.WARNING)
     assert toy(tmp_path).run(resume=None).steps_done == 3
     assert any(f"pid {dead}@" in r.getMessage() and "replacing" in r.getMessage() for r in caplog.records)

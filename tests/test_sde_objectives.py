@@ -11,8 +11,8 @@ import torch
 from diffusionrl.algorithms.dppo import dppo_terms, trust_region_divergence
 from diffusionrl.algorithms.grpo_guard import grpo_guard_terms
 from diffusionrl.algorithms.sde import step_with_logprob
-from diffusionrl.checkpoint import CheckpointMismatch
 from diffusionrl.config import ConfigError
+from diffusionrl.run import CheckpointMismatch
 from diffusionrl.train import build_loop, train
 from diffusionrl.training.trainer import UpdateStats
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusionrl.checkpoint import CheckpointMismatch
 from diffusionrl.config import ConfigError
 from diffusionrl.data import PromptDataError, load_image_pairs
+from diffusionrl.run import CheckpointMismatch
 from diffusionrl.train import build_loop, train, train_sft
 from diffusionrl.training.trainer import UpdateStats
 

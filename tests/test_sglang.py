@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from diffusionrl.callbacks import Callback
 from diffusionrl.config import ConfigError, load_config
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.sglang import (
@@ -27,6 +26,7 @@ from diffusionrl.rollout.sglang import (
     resolve_sglang_python,
     sglang_available,
 )
+from diffusionrl.run import Callback
 from diffusionrl.training.flow_grpo import FlowGRPOObjective
 
 from .conftest import tiny_config

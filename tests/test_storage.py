@@ -11,9 +11,9 @@ import uuid
 import pytest
 import torch
 
-from diffusionrl.callbacks import Callback
-from diffusionrl.manifest import write_manifest
-from diffusionrl.storage import ALLOW_MEMORY_ENV, POINTER, RunFolder, RunFolderError, SyncRunFolder, is_remote
+from diffusionrl.run import Callback
+from diffusionrl.run.folder import ALLOW_MEMORY_ENV, POINTER, RunFolder, RunFolderError, SyncRunFolder, is_remote
+from diffusionrl.run.manifest import write_manifest
 
 from .conftest import saved_lora, tiny_config
 
@@ -203,7 +203,7 @@ def test_a_damaged_published_checkpoint_falls_back_to_the_previous_one(tmp_path,
 
 
 def test_no_intact_published_checkpoint_fails_in_one_line(tmp_path):
-    from diffusionrl.manifest import CheckpointDamaged
+    from diffusionrl.run import CheckpointDamaged
 
     uri = store_uri()
     a = RunFolder(uri, staging=tmp_path / "a")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from diffusionrl.checkpoint import CheckpointMismatch
+from diffusionrl.run import CheckpointMismatch
 from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 

@@ -1,4 +1,4 @@
-"""``BDLMBackend``: one GRPO step of a block-diffusion LM, driven by ``runloop.RunLoop``, and
+"""``BDLMBackend``: one GRPO step of a block-diffusion LM, driven by ``run.loop.RunLoop``, and
 ``train_grpo``, the stage a workflow calls.
 
 A step is ``sample_batch -> rollout -> score -> update``. Every random choice of step ``s`` (its
@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from diffusionrl.algorithms.advantages import group_advantages
-from diffusionrl.checkpoint import CheckpointState
-from diffusionrl.runloop import RUN_CONTROL_KEYS, Callback, RunLoop, RunResult, Schedule
+from diffusionrl.run import RUN_CONTROL_KEYS, Callback, CheckpointState, RunLoop, RunResult, Schedule
 
 from . import trace as trace_store
 from .config import BDLMConfig
@@ -29,7 +28,7 @@ from .model import RUN_INFO, frozen_copy, load_bdlm, weights_digest
 from .task import Example, make_splits, score
 from .trace import TraceBatch
 
-# Config keys a resumed GRPO run may change (``runloop.RUN_CONTROL_KEYS`` and these): how long to
+# Config keys a resumed GRPO run may change (``run.loop.RUN_CONTROL_KEYS`` and these): how long to
 # run, checkpoint cadence, whether traces are written. Every other key must match the checkpoint's.
 FREE_KEYS = RUN_CONTROL_KEYS + ("grpo.steps", "grpo.checkpoint_every", "grpo.keep_checkpoints", "grpo.save_traces")
 

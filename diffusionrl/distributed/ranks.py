@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from diffusionrl import raycluster
-from diffusionrl.checkpoint import CheckpointState
+from diffusionrl.run import CheckpointState
 
 from .group import node_address_and_port
 from .placement import build_placement

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diffusionrl.callbacks import Callback
+from diffusionrl.run import Callback
 
 from .artifacts import image_row
 from .heartbeat import Heartbeat

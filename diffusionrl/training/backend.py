@@ -1,4 +1,4 @@
-"""``ImageBackend``: one step of image RL, driven by ``runloop.RunLoop``.
+"""``ImageBackend``: one step of image RL, driven by ``run.loop.RunLoop``.
 
 A step is ``sample_batch -> rollout -> score -> update -> push_weights``. Every random choice of
 step ``s`` (its prompts, sample seeds, SDE steps, micro-batch order) is seeded by
@@ -19,12 +19,12 @@ import torch
 
 from diffusionrl.algorithms.advantages import group_advantages
 from diffusionrl.algorithms.sde import sde_step_mask
-from diffusionrl.checkpoint import CheckpointState
 from diffusionrl.data import PromptSampler, PromptSet
 from diffusionrl.evaluation import eval_spec
 from diffusionrl.heldout import HeldOutProbe
 from diffusionrl.rewards import reward_metrics
 from diffusionrl.rollout.base import SamplingSpec
+from diffusionrl.run import CheckpointState
 from diffusionrl.trajectory import Trajectory
 from diffusionrl.video import grid, save_picture
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffusionrl.callbacks import Callback
 from diffusionrl.errors import UserError
+from diffusionrl.run import Callback
 
 STEPS_KEY = "train/optimizer_steps"
 SKIPPED_KEY = "train/skipped_updates"

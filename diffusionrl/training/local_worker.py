@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from diffusionrl.checkpoint import CheckpointState
 from diffusionrl.models import load_adapter
 from diffusionrl.rollout.factory import make_engine
-from diffusionrl.storage import local_copy
+from diffusionrl.run import CheckpointState, local_copy
 from diffusionrl.trajectory import Trajectory
 
 from .objective import build_objective

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from diffusionrl.algorithms.nft import nft_terms, noisy_latents, old_policy_eta
-from diffusionrl.checkpoint import CheckpointMismatch
+from diffusionrl.run import CheckpointMismatch
 from diffusionrl.trajectory import Trajectory
 
 from .policy import EMA, LoraPolicy

@@ -36,11 +36,11 @@ def check_inputs(cfg, model_path: str | None = None) -> None:
 def check_init_lora(uri: str, lora_rank: int | None = None) -> None:
     """``algorithm.init_lora`` names a peft LoRA: a folder with an intact
     ``adapter_model.safetensors`` (and, when it has an ``adapter_config.json``, the rank
-    ``model.lora_rank``); an object-store URI gets one cheap request (``storage.check_store_access``,
+    ``model.lora_rank``); an object-store URI gets one cheap request (``run.folder.check_store_access``,
     then the file's existence), its contents are checked once downloaded
     (``LoraPolicy.load_adapter_folder``)."""
     from diffusionrl.models.families import safetensors_problem
-    from diffusionrl.storage import check_store_access, is_remote
+    from diffusionrl.run import check_store_access, is_remote
 
     label = f"algorithm.init_lora={uri}"
     if is_remote(uri):
@@ -79,13 +79,13 @@ def check_early(cfg, run_folder: str = "") -> None:
     """What a workflow's first task checks, needing no model: a builtin or local model reference
     (``check_model``, as the worker will; a hub id is left to ``fetch_checkpoint``, which has the
     token), the object store of the run folder ``run_folder`` answers this task's credentials
-    (``storage.check_store_access``), an SFT run's ``algorithm.sft_source`` exists and parses
+    (``run.folder.check_store_access``), an SFT run's ``algorithm.sft_source`` exists and parses
     (``data.image_pairs.check_sft_source``), and ``algorithm.init_lora`` names a LoRA. Otherwise each would
     fail only inside training, after the model was fetched, and a store without credentials as a
     ``NoCredentialsError`` not naming the URI."""
     from diffusionrl.data import check_sft_source
     from diffusionrl.models.families import check_model, looks_like_path
-    from diffusionrl.storage import check_run_folder, check_store_access
+    from diffusionrl.run import check_run_folder, check_store_access
 
     ref = cfg.model.name
     if ref.startswith("builtin:") or Path(ref).expanduser().exists() or looks_like_path(ref):  # no hub request

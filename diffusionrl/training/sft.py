@@ -1,7 +1,7 @@
 """Supervised fine-tuning on (prompt, image) pairs (docs/algorithms.md section 14.7): a warm start
 before RL, in the same run loop, checkpoints and LoRA format.
 
-``SFTBackend`` is a ``runloop.RunLoop`` backend (``diffusionrl.train.build_loop`` picks it for
+``SFTBackend`` is a ``run.loop.RunLoop`` backend (``diffusionrl.train.build_loop`` picks it for
 ``algorithm.name=sft``): step ``s`` takes ``train.prompts_per_step * train.group_size`` pairs of
 ``algorithm.sft_source`` (``data.image_pairs``; epoch-wise permutations seeded by ``(train.seed, epoch)``, the
 prompt sampler's), encodes the images with the VAE and the prompts with the text encoders, and
@@ -27,8 +27,8 @@ import torch
 
 from diffusionrl.algorithms.awm import flow_matching_error
 from diffusionrl.algorithms.nft import noisy_latents
-from diffusionrl.checkpoint import CheckpointState
 from diffusionrl.data import PromptSampler
+from diffusionrl.run import CheckpointState
 from diffusionrl.trajectory import Conditioning
 
 from .policy import LoraPolicy

@@ -11,14 +11,14 @@ carries the whole state, so a run resumed from a checkpoint repeats exactly what
 uninterrupted run would have done (docs/algorithms.md section 11).
 
 What a run trusts on resume: the checkpoint's files (SHA-256 manifest, a damaged newest one is
-skipped for the previous intact one, ``diffusionrl.checkpoint``), its model and objective
+skipped for the previous intact one, ``diffusionrl.run.checkpoint``), its model and objective
 (``metadata``, fail closed), its config and the digests of its input data (every key but the
 ``free_keys`` and every input digest must be unchanged, unless the caller allows the change, which
 is then recorded in ``config_changes.jsonl``) and
 ``metrics.jsonl`` (a torn last line, left by a kill mid-write, is dropped with a warning; any other
 bad line fails naming file and line). A fresh run in a folder holding another run's checkpoints
 moves that run aside (``previous-run-<time>/``) instead of mixing with it. A run owns its folder
-while it runs (``diffusionrl.runlock``): a second run there refuses, naming the first.
+while it runs (``diffusionrl.run.lock``): a second run there refuses, naming the first.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from diffusionrl.callbacks import Callback
-from diffusionrl.checkpoint import (
+from diffusionrl.errors import UserError
+
+from .callbacks import Callback
+from .checkpoint import (
     CheckpointState,
     ConfigChanged,
     check_metadata,
@@ -48,8 +50,7 @@ from diffusionrl.checkpoint import (
     save_checkpoint,
     with_hyperparameters,
 )
-from diffusionrl.errors import UserError
-from diffusionrl.runlock import RunOwner, hold_run_folder
+from .lock import RunOwner, hold_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class RunLoop:
     """Runs ``backend`` for ``schedule.steps`` steps in ``out_dir``, resumable from its checkpoints.
 
     ``progress``: True a progress bar, False silent, None a bar on a terminal and otherwise one
-    line per step (step, reward, seconds) on the ``diffusionrl.runloop`` logger when it logs INFO,
+    line per step (step, reward, seconds) on the ``diffusionrl.run.loop`` logger when it logs INFO,
     else on stderr.
 
     ``inputs``: digests of the data the config's paths name (``{"prompts": ..., "sft_pairs": ...,
@@ -235,7 +236,7 @@ class RunLoop:
         ``resume="auto"`` continues from the latest intact checkpoint of this output folder, a path
         resumes from that checkpoint, ``None`` starts fresh (moving another run's checkpoints aside).
         ``allow_config_change`` lets a resume change objective-relevant settings (recorded).
-        The run owns ``out_dir`` meanwhile (``runlock.hold_run_folder``): a second run there raises
+        The run owns ``out_dir`` meanwhile (``run.lock.hold_run_folder``): a second run there raises
         ``RunFolderBusy`` naming this one, before it reads or moves anything.
         """
         with hold_run_folder(self.out_dir) as owner:

@@ -7,7 +7,7 @@ Layout of a checkpoint folder ``step-000012/``::
     lora.safetensors       trainable LoRA tensors (policy ``named_parameters`` names)
     optimizer.safetensors  per-parameter optimizer state ("<index>.<key>")
     extra.safetensors      EMA / old-policy tensors ("ema.<name>", "old.<name>") and torch RNG states
-    manifest.json          size and SHA-256 of every other file, written last (``diffusionrl.manifest``)
+    manifest.json          size and SHA-256 of every other file, written last (``diffusionrl.run.manifest``)
 
 A folder is written under a temporary name and renamed when complete, so a crash mid-save never
 leaves a half checkpoint that looks valid; the manifest catches what the rename cannot (bytes
@@ -34,7 +34,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from diffusionrl.errors import UserError
-from diffusionrl.manifest import CheckpointDamaged, verify_checkpoint, write_manifest
+
+from .manifest import CheckpointDamaged, verify_checkpoint, write_manifest
 
 __all__ = ["CheckpointDamaged", "CheckpointMismatch", "CheckpointState", "ConfigChanged", "config_changes",
            "input_changes", "load_checkpoint", "load_latest", "latest_checkpoint", "list_checkpoints",

@@ -1,4 +1,4 @@
-"""``Callback``: hooks a caller attaches to a training run (``runloop.RunLoop``).
+"""``Callback``: hooks a caller attaches to a training run (``run.loop.RunLoop``).
 
 Kept apart from the loop so that callers (MLflow streaming, Flyte checkpoints, Parquet writers)
 can subclass it without importing torch.

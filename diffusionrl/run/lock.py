@@ -11,7 +11,7 @@ each other's checkpoints resumed or pruned. So a run holds its folder for as lon
   never blocks its successor (the file it left is taken over with a warning naming it). A lock
   still held although the pid it names is dead on this host (a forked child inherited the
   descriptor and outlived the run) is replaced too. The holder removes the file when it is done.
-- An object-store folder (an fsspec URI, ``storage.is_remote``): a lease ``<uri>/run.lease``
+- An object-store folder (an fsspec URI, ``run.folder.is_remote``): a lease ``<uri>/run.lease``
   (owner, since, expiry, a random token), renewed by a background thread every third of its
   lifetime (``LEASE_TTL_S``) and deleted at the end. An expired lease is taken over: a preempted
   pod cannot release its lease, and its successor continues once it expired. Object stores offer
@@ -346,7 +346,7 @@ _held_guard = threading.Lock()
 
 
 def _key(where: str | Path) -> str:
-    from diffusionrl.storage import is_remote, local_path
+    from .folder import is_remote, local_path
 
     return str(where).rstrip("/") if is_remote(where) else str(local_path(where).resolve())
 
@@ -359,7 +359,7 @@ def hold_run_folder(uri: str | Path, local: str | Path | None = None, *, ttl_s: 
     inside the block, or raise ``RunFolderBusy`` naming its owner. ``local``: the staging folder of
     a remote one, covered by the same hold (a ``RunLoop`` writing it re-enters it). Re-entrant in
     one thread: a nested hold of a folder this thread holds yields the outer owner."""
-    from diffusionrl.storage import is_remote
+    from .folder import is_remote
 
     keys = [_key(uri)] + ([_key(local)] if local is not None and is_remote(uri) else [])
     me = threading.get_ident()
@@ -371,7 +371,7 @@ def hold_run_folder(uri: str | Path, local: str | Path | None = None, *, ttl_s: 
     if is_remote(uri):
         owner: RunOwner = Lease(str(uri), ttl_s=ttl_s, settle_s=settle_s, tags=tags).acquire(wait_for=wait_for)
     else:
-        from diffusionrl.storage import local_path
+        from .folder import local_path
 
         owner = FolderLock(local_path(uri)).acquire()
     with _held_guard:

@@ -5,7 +5,7 @@ is a staging copy and ``RunFolder`` moves what must outlive the process to the s
 
 - ``pull()`` before a run: the published checkpoint (``checkpoints/LATEST``) and ``metrics.jsonl``
   come down, so a re-launched execution, on another machine, resumes where the last one stopped;
-  the checkpoint is verified against its manifest (``diffusionrl.manifest``), and when the
+  the checkpoint is verified against its manifest (``diffusionrl.run.manifest``), and when the
   pointer's target is damaged the previous published one is used (one warning line);
 - ``publish_checkpoint(path)``: the checkpoint goes up under a new versioned prefix
   (``checkpoints/step-000012-<random>/``, its ``manifest.json`` last), and only when every file is
@@ -18,7 +18,7 @@ is a staging copy and ``RunFolder`` moves what must outlive the process to the s
   resumed run ends with one file per step and one metrics row per step.
 
 For a local folder every method is a no-op (checkpoints are already written under a temporary
-name and renamed, ``diffusionrl.checkpoint``), so local runs behave exactly as before.
+name and renamed, ``diffusionrl.run.checkpoint``), so local runs behave exactly as before.
 
 A run folder must outlive the process that writes it (the next task reads it, a retried attempt
 resumes from it, MLflow records where it is): a store that lives inside the process (fsspec's
@@ -37,9 +37,10 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from diffusionrl.callbacks import Callback
 from diffusionrl.errors import UserError
-from diffusionrl.manifest import MANIFEST, CheckpointDamaged, verify_checkpoint
+
+from .callbacks import Callback
+from .manifest import MANIFEST, CheckpointDamaged, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class RunFolder:
     def push_changed(self, skip: tuple[str, ...] = ("checkpoints",)) -> int:
         """Upload every local file that is new or changed since the last call (folders in ``skip``,
         ``*.tmp`` files, which a background writer is still writing, and ``*.lock`` files, a local
-        folder's lock (``runlock``), which mean nothing on another machine, excluded); returns how
+        folder's lock (``run.lock``), which mean nothing on another machine, excluded); returns how
         many went up."""
         if not self.remote:
             return 0

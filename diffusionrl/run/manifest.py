@@ -1,15 +1,15 @@
 """Checkpoint manifests: the SHA-256 and size of every file of a checkpoint folder, checked on load.
 
 ``manifest.json`` is the last file written into a checkpoint folder, before the folder is renamed
-into place (``checkpoint.save_checkpoint``) or, on an object store, the last file uploaded
-(``storage.RunFolder.publish_checkpoint``). ``verify_checkpoint`` raises ``CheckpointDamaged``,
+into place (``run.checkpoint.save_checkpoint``) or, on an object store, the last file uploaded
+(``run.folder.RunFolder.publish_checkpoint``). ``verify_checkpoint`` raises ``CheckpointDamaged``,
 naming the folder and the file, when a file is missing, has another size or another hash.
 
 Checkpoints written before manifests existed (``state.json`` format 1, no ``manifest.json``) are
 accepted with a warning after a structural check (``state.json`` parses, every safetensors file is
 as long as its header says): refusing them would strand every run folder written before this
 change, and the check still catches a truncated file. A format-2 checkpoint without its manifest
-is damaged. No torch import here: ``storage`` verifies pulled checkpoints with it.
+is damaged. No torch import here: ``run.folder`` verifies pulled checkpoints with it.
 """
 
 from __future__ import annotations
