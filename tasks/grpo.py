@@ -268,7 +268,7 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
     load_secrets(HF_MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.train import train as run_training
-    from diffusionrl.trajectory_writer import TrajectoryWriter
+    from diffusionrl.trajectory import TrajectoryWriter
 
     allow_change = config_change_allowed(on_config_change)  # a bad value fails before anything starts
     with open_run_folder(stage_dir(checkpoint_dir)) as (folder, resume):  # owned until training ends

@@ -29,7 +29,7 @@ from diffusionrl.bdlm.sampler import commit_mask, current_block
 from diffusionrl.bdlm.task import Example, encode_prompts, score, solve
 from diffusionrl.bdlm.warmstart import masked_diffusion_loss
 from diffusionrl.training.trainer import UpdateStats
-from diffusionrl.trajectory_store import CorruptParquetFile
+from diffusionrl.trajectory import CorruptParquetFile
 
 from .test_trajectory_store import flip_mid_column
 

@@ -18,7 +18,7 @@ from diffusionrl.models import (
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
-from diffusionrl.trajectory_store import read_trajectory, write_step
+from diffusionrl.trajectory import read_trajectory, write_step
 
 from .conftest import tiny_config
 from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update

@@ -133,7 +133,7 @@ class WriteTrajectories(Callback):
         self.folder = folder
 
     def on_step(self, loop, step, batch, metrics):
-        from diffusionrl.trajectory_store import write_step
+        from diffusionrl.trajectory import write_step
 
         write_step(self.folder.local / "trajectories", batch, run_id="t", step=step, images=False)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diffusionrl.trajectory import Conditioning, Trajectory
-from diffusionrl.trajectory_store import (
+from diffusionrl.trajectory.store import (
     CorruptParquetFile,
     read_trajectories,
     read_trajectory,
@@ -168,7 +168,7 @@ def test_version_1_files_still_read_and_unknown_versions_fail(tmp_path):
 
 
 def test_background_writer_flushes_and_verifies_at_checkpoints(tmp_path):
-    from diffusionrl.trajectory_writer import TrajectoryWriter
+    from diffusionrl.trajectory import TrajectoryWriter
 
     writer = TrajectoryWriter(tmp_path, "run", latents=True, images=False, depth=1)
     trajs = [scored_trajectory(seed=s) for s in range(3)]
@@ -184,7 +184,7 @@ def test_background_writer_flushes_and_verifies_at_checkpoints(tmp_path):
 
 
 def test_background_writer_surfaces_a_failed_write(tmp_path):
-    from diffusionrl.trajectory_writer import TrajectoryWriteError, TrajectoryWriter
+    from diffusionrl.trajectory import TrajectoryWriteError, TrajectoryWriter
 
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the folder should be")
@@ -195,7 +195,7 @@ def test_background_writer_surfaces_a_failed_write(tmp_path):
 
 
 def test_a_step_file_that_does_not_read_back_as_written_fails_verification(tmp_path):
-    from diffusionrl.trajectory_writer import TrajectoryWriteError, verify_step_file
+    from diffusionrl.trajectory import TrajectoryWriteError, verify_step_file
 
     path = write_step(tmp_path, scored_trajectory(), run_id="run", step=5, images=False)
     verify_step_file(path, 5, 4)

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from safetensors.torch import load_file
 
 from diffusionrl.config import get_preset
-from diffusionrl.trajectory_store import BASE_COLUMNS, SCHEMA_VERSION, read_trajectories
+from diffusionrl.trajectory.store import BASE_COLUMNS, SCHEMA_VERSION, read_trajectories
 
 from .conftest import TINY_OVERRIDES
 

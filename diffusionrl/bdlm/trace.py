@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from diffusionrl.trajectory_store import read_parquet, write_parquet
+from diffusionrl.trajectory import read_parquet, write_parquet
 
 from .model import VOCAB, Vocab
 

@@ -2,7 +2,7 @@
 
 ``TrajectoryWriter`` is a loop callback: ``on_step`` hands the step's ``Trajectory`` to one writer
 thread through a bounded queue (a full queue makes training wait: at most ``depth`` steps are
-unwritten), which writes ``step-XXXXXX.parquet`` with ``trajectory_store.write_step`` (atomically,
+unwritten), which writes ``step-XXXXXX.parquet`` with ``trajectory.store.write_step`` (atomically,
 every page checksummed; PNG encoding and Parquet writing release the GIL, so they overlap the next
 rollout). At every checkpoint and at the end of the run it waits until everything queued is
 written, re-raises the first write error, and verifies each file written since the last check
@@ -78,7 +78,7 @@ class TrajectoryWriter(Callback):
             ) from self._error
 
     def _work(self) -> None:
-        from diffusionrl.trajectory_store import write_step
+        from .store import write_step
 
         while True:
             item = self._queue.get()
@@ -102,7 +102,7 @@ def verify_step_file(path: Path, step: int, rows: int) -> None:
     the schema version and the step column's statistics)."""
     import pyarrow.parquet as pq
 
-    from diffusionrl.trajectory_store import SCHEMA_VERSION
+    from .store import SCHEMA_VERSION
 
     try:
         meta = pq.ParquetFile(path).metadata

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from diffusionrl.trajectory import Conditioning, Trajectory
+from .batch import Conditioning, Trajectory
 
 # 1: images only. 2: adds video samples (column ``frames_png``; latents [T+1, C, F', H, W]). The
 # reader takes both: a version-1 file is a version-2 file without video columns.
