@@ -57,8 +57,8 @@ demo: setup
 	@echo "trajectories: runs/demo/trajectories/step-*.parquet"
 	@echo "metrics:      runs/demo/metrics.jsonl, checkpoints: runs/demo/checkpoints"
 	@echo "MLflow:       runs/mlflow (open: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/runs/mlflow/mlflow.db)"
-	@echo "registry:     $(BIN)/python -m diffusionrl.registry show"
-	@$(BIN)/python -m diffusionrl.registry show
+	@echo "registry:     $(BIN)/python -m diffusionrl.serving show"
+	@$(BIN)/python -m diffusionrl.serving show
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 test: setup $(SGLANG_ENV)

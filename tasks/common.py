@@ -279,7 +279,7 @@ class RegisteredVersion:
 
     @classmethod
     def record(cls, run: TrackingRun, reg) -> RegisteredVersion:
-        """A ``registry.Registration`` as a task output, also tagged on the workflow run."""
+        """A ``serving.Registration`` as a task output, also tagged on the workflow run."""
         tracking.set_tags(run, {"registered_model": reg.name, "registered_version": reg.version,
                                 "registry_decision": reg.decision})
         return cls(reg.name, reg.version, reg.aliases, reg.promoted, reg.decision, reg.score, reg.champion_version,

@@ -331,11 +331,11 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
     """Log the LoRA as an ``mlflow.diffusers`` model, register a version (alias ``candidate``) and
     move ``champion`` only if it beats the current one on the same evaluation."""
     load_secrets(HF_MLFLOW)
-    from diffusionrl import registry, tracking
+    from diffusionrl import serving, tracking
 
     lineage = tracking.lineage(run, dataset_digest=prompts_digest, test_dataset_digest=test_digest,
                                base_model_digest=model_digest, algorithm=config.algorithm.name, preset=config.preset)
-    reg = registry.register_lora(run, config, lora.download(), model_dir.download(), model_digest,
+    reg = serving.register_lora(run, config, lora.download(), model_dir.download(), model_digest,
                                  rows_from_frame(test_prompts), test_digest, eval_summary["eval/reward_mean"], lineage)
     return RegisteredVersion.record(run, reg)
 

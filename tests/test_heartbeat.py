@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from diffusionrl import registry, tracking
+from diffusionrl import serving, tracking
 from diffusionrl.tracking import heartbeat as hb
 
 from .conftest import tiny_config
@@ -111,7 +111,7 @@ def test_a_failed_runs_version_is_never_champion(uri, tmp_path, capsys):
     def register(score: float):
         run_id = c.create_run(exp, tags={tracking.STAGE_TAG: "workflow"}).info.run_id
         run = tracking.TrackingRun(uri, exp, run_id, f"exec-{run_id[:6]}")
-        reg = registry.register(run, cfg, SimpleNamespace(model_uri=str(model)), score, "same-eval",
+        reg = serving.register(run, cfg, SimpleNamespace(model_uri=str(model)), score, "same-eval",
                                 {"base_model_digest": "base"})
         return run_id, reg
 
@@ -124,26 +124,26 @@ def test_a_failed_runs_version_is_never_champion(uri, tmp_path, capsys):
     assert v1.promoted and v2.promoted
     fail(bad_run)  # its execution was killed after registering
 
-    shown = registry.show(uri, name)
+    shown = serving.show(uri, name)
     assert shown["champion"] is None and f"v{v2.version}: its run {bad_run} FAILED" in shown["champion_ignored"]
     v2_shown = next(v for v in shown["versions"] if v["version"] == v2.version)
     assert "champion" not in v2_shown["aliases"] and v2_shown["ignored_aliases"] == ["champion"]
     assert v2_shown["run_status"] == "FAILED"
-    assert registry.main(["show", "--name", name, "--tracking-uri", uri]) == 0
+    assert serving.main(["show", "--name", name, "--tracking-uri", uri]) == 0
     assert json.loads(capsys.readouterr().out)["champion"] is None
 
     # The next decision compares with the champion before the failed one (v1, 0.5), not with 0.9.
     good_run, v3 = register(0.6)
     assert v3.promoted and v3.previous_champion == v1.version
     assert f"passed over v{v2.version}: its run {bad_run} FAILED" in v3.decision
-    assert registry.show(uri, name)["champion"] == v3.version
+    assert serving.show(uri, name)["champion"] == v3.version
 
     # Not better than the valid champion: @champion leaves the failed run's version for v1.
     fail(good_run)
     _, v4 = register(0.4)
     assert not v4.promoted and v4.previous_champion == v1.version
     assert str(c.get_model_version_by_alias(name, "champion").version) == v1.version
-    assert registry.show(uri, name)["champion"] == v1.version
+    assert serving.show(uri, name)["champion"] == v1.version
 
 
 def test_metric_logger_flushes_when_due_and_at_checkpoints_and_the_end(uri):

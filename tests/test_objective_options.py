@@ -81,7 +81,7 @@ def test_a_unit_adds_kl_beta_times_the_kl_in_the_configured_space(loop):
 
 def test_training_and_evaluation_resolutions_are_separate(tmp_path):
     from diffusionrl.evaluation import eval_spec, evaluate_lora
-    from diffusionrl.registry import eval_key
+    from diffusionrl.serving import eval_key
 
     cfg = tiny_config("train.steps=1", "sampling.eval_resolution=64", "eval.num_prompts=1")
     assert (cfg.sampling.resolution, eval_spec(cfg).resolution) == (32, 64)

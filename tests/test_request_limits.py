@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from mlflow.exceptions import MlflowException
 
-from diffusionrl.request_limits import MAX_PROMPTS, RequestError, check_params, describe, prompts_of
+from diffusionrl.serving.request_limits import MAX_PROMPTS, RequestError, check_params, describe, prompts_of
 
 from .conftest import tiny_config
 
@@ -60,8 +60,8 @@ def test_the_image_model_refuses_bad_requests_through_pyfunc_before_loading_the_
     from mlflow.models import Model
     from safetensors.torch import save_file
 
-    from diffusionrl.registry import model_signature
-    from diffusionrl.request_limits import save_model
+    from diffusionrl.serving import model_signature
+    from diffusionrl.serving.request_limits import save_model
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -84,7 +84,7 @@ def test_the_image_model_refuses_bad_requests_through_pyfunc_before_loading_the_
 
 
 def test_a_model_whose_own_defaults_are_out_of_bounds_is_not_logged():
-    from diffusionrl.registry import image_params
+    from diffusionrl.serving import image_params
 
     with pytest.raises(RequestError, match=r"the served model's defaults .*guidance_scale=50.0 is out of bounds"):
         image_params(tiny_config("eval.guidance_scale=50"))
@@ -101,7 +101,7 @@ class FakeWan:
 
 
 def test_the_video_model_refuses_bad_requests_before_generating():
-    from diffusionrl.video_serving import VideoLoraModel, generation_settings
+    from diffusionrl.serving.video_model import VideoLoraModel, generation_settings
 
     model = VideoLoraModel()
     model.settings = {"generation": generation_settings(tiny_config(preset="tiny-cpu-wan"))}
@@ -128,7 +128,7 @@ def test_the_text_model_refuses_bad_requests_before_decoding():
 
 
 def test_a_logged_image_lora_serves_within_bounds_and_refuses_outside_them(tmp_path):
-    """registry.log_lora_model end to end on the tiny model: MLflow's input-example check and a
+    """serving.log_lora_model end to end on the tiny model: MLflow's input-example check and a
     request inside the bounds generate; one outside them is refused."""
     import io
 
@@ -136,7 +136,7 @@ def test_a_logged_image_lora_serves_within_bounds_and_refuses_outside_them(tmp_p
     import mlflow.pyfunc
     from PIL import Image
 
-    from diffusionrl import registry
+    from diffusionrl import serving
     from diffusionrl.models import build_tiny_sd3_pipeline
     from diffusionrl.tracking import TrackingRun
     from diffusionrl.train import train
@@ -149,7 +149,7 @@ def test_a_logged_image_lora_serves_within_bounds_and_refuses_outside_them(tmp_p
     client = mlflow.MlflowClient(uri)
     experiment = client.create_experiment("limits", artifact_location=str(tmp_path / "artifacts"))
     run = TrackingRun(uri, experiment, client.create_run(experiment).info.run_id)
-    info = registry.log_lora_model(run, cfg, lora, str(base), example_prompt="a cat", metadata={})
+    info = serving.log_lora_model(run, cfg, lora, str(base), example_prompt="a cat", metadata={})
     assert "num_inference_steps: an integer in [1, 1000]" in info.metadata["request_limits"]
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model(info.model_uri)

@@ -19,7 +19,7 @@ import requests
 import torch
 from mlflow import MlflowClient
 
-from diffusionrl import registry, tracking
+from diffusionrl import serving, tracking
 from diffusionrl.config import get_preset
 
 from .conftest import TINY_OVERRIDES, tiny_config
@@ -231,7 +231,7 @@ def test_secret_never_reaches_the_store_or_artifacts(server, runs):
 def test_registry_show_cli(server, runs):
     good, worse, _ = runs
     env = {**os.environ, "MLFLOW_TRACKING_URI": server[0]}
-    out = subprocess.run([sys.executable, "-m", "diffusionrl.registry", "show"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "diffusionrl.serving", "show"], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     view = json.loads(out.stdout)
@@ -254,16 +254,16 @@ def test_champion_with_another_evaluation_is_re_evaluated(server, runs):
     run = tracking.TrackingRun(uri, client.get_run(mv.run_id).info.experiment_id, mv.run_id)
     cfg = tiny_config(*SMALL)
     assert cfg.tracking.registered_model == good.registered.name
-    info = registry.log_lora_model(run, cfg, good.lora.path, _base_ref(mv), example_prompt="a cat", metadata={})
+    info = serving.log_lora_model(run, cfg, good.lora.path, _base_ref(mv), example_prompt="a cat", metadata={})
     seen = []
 
     def rescore(model_dir: Path) -> float:
         seen.append(model_dir)
-        assert (model_dir / "adapter_weights" / registry.PEFT_SUBDIR / "adapter_model.safetensors").is_file()
+        assert (model_dir / "adapter_weights" / serving.PEFT_SUBDIR / "adapter_model.safetensors").is_file()
         return good.registered.score + 1.0  # the champion under the new evaluation
 
     lineage = {k: mv.tags[k] for k in tracking.LINEAGE_KEYS}
-    reg = registry.register(run, cfg, info, good.registered.score + 0.5, "another-eval-key", lineage, rescore=rescore)
+    reg = serving.register(run, cfg, info, good.registered.score + 0.5, "another-eval-key", lineage, rescore=rescore)
     assert len(seen) == 1 and not reg.promoted and "re-evaluated" in reg.decision
     assert reg.previous_champion_score == pytest.approx(good.registered.score + 1.0)
     assert client.get_model_version_by_alias(good.registered.name, "champion").version == good.registered.version
@@ -277,10 +277,10 @@ def _base_ref(mv) -> str:
 
 
 def test_decide_margin():
-    assert registry.decide(1.0, None, 0.0)[0]
-    assert registry.decide(1.0, 0.5, 0.1)[0]
-    assert not registry.decide(1.0, 0.95, 0.1)[0]
-    assert not registry.decide(1.0, 1.0, 0.0)[0]  # a tie does not move the champion
+    assert serving.decide(1.0, None, 0.0)[0]
+    assert serving.decide(1.0, 0.5, 0.1)[0]
+    assert not serving.decide(1.0, 0.95, 0.1)[0]
+    assert not serving.decide(1.0, 1.0, 0.0)[0]  # a tie does not move the champion
 
 
 def test_unreachable_tracking_uri_fails_before_training(grpo, tmp_path):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from diffusionrl import registry
+from diffusionrl import serving
 from diffusionrl.tracking.store import TrackingURIError, check_uri, preflight
 
 
@@ -22,7 +22,7 @@ def _free_port() -> int:
 def test_registry_show_on_an_unreachable_server_is_one_line_in_seconds(capsys):
     uri = f"http://127.0.0.1:{_free_port()}"
     start = time.monotonic()
-    code = registry.main(["show", "--tracking-uri", uri])
+    code = serving.main(["show", "--tracking-uri", uri])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and time.monotonic() - start < 15
     assert len(err) == 1 and uri in err[0] and "unreachable" in err[0], err
@@ -33,7 +33,7 @@ def test_a_malformed_sqlite_uri_is_refused_and_creates_nothing(uri, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TrackingURIError, match=r"sqlite:///relative/path.db or sqlite:////absolute/path.db"):
         preflight(uri)
-    assert registry.main(["show", "--tracking-uri", uri]) == 2
+    assert serving.main(["show", "--tracking-uri", uri]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # no database (or folder) was made
 
@@ -43,6 +43,6 @@ def test_a_sqlite_store_in_a_missing_folder_or_a_missing_file_for_a_reader(tmp_p
         preflight(f"sqlite:///{tmp_path}/nofolder/mlflow.db")
     assert not (tmp_path / "nofolder").exists()
     check_uri(f"sqlite:///{tmp_path}/new.db")  # a new store in an existing folder: fine for a writer
-    assert registry.main(["show", "--tracking-uri", f"sqlite:///{tmp_path}/new.db"]) == 2
+    assert serving.main(["show", "--tracking-uri", f"sqlite:///{tmp_path}/new.db"]) == 2
     err = capsys.readouterr().err.strip()
     assert "no database at" in err and "\n" not in err and not (tmp_path / "new.db").exists()

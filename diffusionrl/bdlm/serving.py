@@ -32,7 +32,7 @@ class BDLMDecoder(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None) -> list[str]:
         import torch
 
-        from diffusionrl.request_limits import check_params, prompts_of
+        from diffusionrl.serving.request_limits import check_params, prompts_of
 
         from .sampler import decode
         from .task import Example, encode_prompts, parse_answer
@@ -62,7 +62,7 @@ def log_bdlm_model(run, cfg, model_dir: str | Path, example_prompt: str, metadat
     from mlflow.types import DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import ColSpec
 
-    from diffusionrl.request_limits import describe
+    from diffusionrl.serving.request_limits import describe
 
     mlflow.set_tracking_uri(run.uri)
     mlflow.set_registry_uri(run.uri)
@@ -92,8 +92,8 @@ def log_bdlm_model(run, cfg, model_dir: str | Path, example_prompt: str, metadat
 
 def register_bdlm_model(run, cfg, model_dir: str | Path, test_digest: str, score: float, lineage: dict[str, str]):
     """Log the policy in ``model_dir`` and register it; a champion evaluated otherwise is re-scored
-    on this run's held-out split. -> ``registry.Registration``."""
-    from diffusionrl import registry
+    on this run's held-out split. -> ``serving.Registration``."""
+    from diffusionrl.serving import register
 
     from .evaluation import eval_key, evaluate
     from .task import make_splits
@@ -104,4 +104,4 @@ def register_bdlm_model(run, cfg, model_dir: str | Path, test_digest: str, score
     def rescore(downloaded: Path) -> float:
         return evaluate(cfg, downloaded / "artifacts" / "model")["eval/reward_mean"]
 
-    return registry.register(run, cfg, info, score, eval_key(cfg, test_digest), lineage, rescore=rescore)
+    return register(run, cfg, info, score, eval_key(cfg, test_digest), lineage, rescore=rescore)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 PARENT_TAG = "mlflow.parentRunId"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Lineage tag names (also the keys `python -m diffusionrl.registry show` prints).
+# Lineage tag names (also the keys `python -m diffusionrl.serving show` prints).
 LINEAGE_KEYS = ("flyte_execution_id", "git_sha", "dataset_digest", "base_model", "base_model_digest", "config_digest")
 
 

@@ -7,7 +7,7 @@ A mistyped SQLite URI would not fail: MLflow (SQLAlchemy) either raises deep in 
 quietly creates a new, empty database somewhere else, and the run or registry looked for is
 "not there". ``check_uri`` refuses them in one line (``TrackingURIError``): a SQLite store is
 ``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``, in a folder that exists (only the
-default local store's folder is created). A CLI that only reads (``python -m diffusionrl.registry
+default local store's folder is created). A CLI that only reads (``python -m diffusionrl.serving
 show``) asks once, quickly, whether the store answers (``cli_store``) instead of letting MLflow's
 client retry an unreachable server for minutes.
 """

@@ -10,10 +10,10 @@ and its range (``RequestError``, an ``MlflowException`` with ``INVALID_PARAMETER
 ``mlflow models serve`` answers with HTTP 400).
 
 - images (``mlflow.diffusers``): this module is the model's pyfunc loader (``_load_pyfunc``), shipped
-  with it as its code (``code/request_limits.py``: ``save_model``, what ``registry.log_lora_model``
+  with it as its code (``code/request_limits.py``: ``save_model``, what ``mlflow_model.log_lora_model``
   logs with) around MLflow's own diffusers wrapper, so serving still needs no diffusionrl install;
   hence it imports only the standard library and mlflow (pandas through mlflow);
-- videos: ``video_serving.VideoLoraModel.predict``; text (block diffusion): ``bdlm.serving.BDLMDecoder``.
+- videos: ``video_model.VideoLoraModel.predict``; text (block diffusion): ``bdlm.serving.BDLMDecoder``.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def save_model(path, mlflow_model, **kwargs) -> None:
     """``mlflow.diffusers.save_model`` whose pyfunc flavor loads through this module, shipped as the
     model's ``code/``: every request is bounded before MLflow's diffusers wrapper generates. The
     ``diffusers`` flavor (``mlflow.diffusers.load_model``) and the folder layout are unchanged.
-    (``registry.log_lora_model`` passes this module to ``Model.log`` as the flavor.)"""
+    (``mlflow_model.log_lora_model`` passes this module to ``Model.log`` as the flavor.)"""
     from pathlib import Path
 
     import mlflow.diffusers

@@ -3,7 +3,7 @@
 MLflow's ``mlflow.diffusers`` flavor serves image pipelines only: its pyfunc reads ``output.images``
 and passes no frame count, while ``WanPipeline`` returns ``output.frames``. So a video LoRA is
 logged as a pyfunc model from code (``video_pyfunc.py``): its artifacts are the diffusers LoRA
-folder that ``registry.diffusers_adapter_dir`` writes (``pytorch_lora_weights.safetensors`` for
+folder that ``lora_export.diffusers_adapter_dir`` writes (``pytorch_lora_weights.safetensors`` for
 ``WanPipeline.load_lora_weights``, and ``peft/``) and ``video_settings.json`` (the base model
 reference and revision, and the run's evaluation settings: steps, guidance, size, frames, negative
 prompt). ``predict`` loads the base with ``DiffusionPipeline.from_pretrained`` (the class comes from
@@ -45,8 +45,9 @@ class VideoLoraModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None) -> list[bytes]:
         import numpy as np
 
-        from diffusionrl.request_limits import check_params, prompts_of
         from diffusionrl.video import gif_bytes
+
+        from .request_limits import check_params, prompts_of
 
         prompts = prompts_of(model_input)
         s = check_params({**self.settings["generation"], **(params or {})})
@@ -59,7 +60,7 @@ class VideoLoraModel(mlflow.pyfunc.PythonModel):
 def generation_settings(cfg) -> dict:
     """The run's evaluation settings, as ``WanPipeline.__call__`` keywords (the defaults of ``predict``),
     which must lie within ``request_limits.LIMITS`` (a model that would refuse its own defaults is not logged)."""
-    from diffusionrl.request_limits import check_params
+    from .request_limits import check_params
 
     res = cfg.sampling.eval_resolution or cfg.sampling.resolution  # evaluation.eval_resolution
     settings = {"num_inference_steps": cfg.eval.num_steps, "guidance_scale": float(cfg.eval.guidance_scale),
@@ -88,7 +89,7 @@ def log_video_lora_model(run, cfg, adapter_dir: str | Path, base_ref: str, weigh
     ModelInfo (MLflow checks the input example by loading the model and generating a video)."""
     from mlflow.models import Model
 
-    from diffusionrl.request_limits import describe
+    from .request_limits import describe
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = Path(tmp) / SETTINGS_FILE

@@ -3,6 +3,6 @@ no pickled Python object in the model; the class comes from the installed packag
 
 import mlflow.models
 
-from diffusionrl.video_serving import VideoLoraModel
+from diffusionrl.serving.video_model import VideoLoraModel
 
 mlflow.models.set_model(VideoLoraModel())

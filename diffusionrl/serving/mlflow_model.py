@@ -1,0 +1,54 @@
+"""A run's LoRA as an MLflow model of its workflow run: the ``mlflow.diffusers`` flavor for image
+families, whose pyfunc loader is ``request_limits`` (shipped as the model's code), a pyfunc model from
+code for video families (``video_model``)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from diffusionrl.tracking import TrackingRun
+
+from .lora_export import ADAPTER_FILE, diffusers_adapter_dir
+from .signature import model_signature
+
+
+def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, example_prompt: str,
+                   metadata: dict[str, str]):
+    """The LoRA as an ``mlflow.diffusers`` model of the workflow run -> ModelInfo.
+
+    MLflow checks the input example by loading the model through pyfunc and generating from it
+    (a failure there is logged as a warning): the registered model is known to serve. Its pyfunc
+    refuses requests outside ``request_limits`` (listed in the model's ``request_limits`` metadata)."""
+    import mlflow
+    import pandas as pd
+    from mlflow.models import Model
+
+    from diffusionrl.models.families import adapter_class
+
+    from . import request_limits
+
+    mlflow.set_tracking_uri(run.uri)
+    mlflow.set_registry_uri(run.uri)
+    mlflow.set_experiment(experiment_id=run.experiment_id)  # the logged model lives beside its run
+    family = adapter_class(base_ref, cfg.model.revision)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = diffusers_adapter_dir(peft_dir, Path(tmp) / "adapter", family.pipeline_class)
+        if family.video:  # mlflow.diffusers serves images only: our pyfunc returns GIFs (video_model.py)
+            from .video_model import log_video_lora_model
+
+            return log_video_lora_model(run, cfg, adapter, base_ref, ADAPTER_FILE, example_prompt, metadata)
+        signature = model_signature(cfg)
+        # what mlflow.diffusers.log_model does, its pyfunc loader behind the bounds (request_limits.save_model)
+        return Model.log(
+            artifact_path=None,
+            name="lora",
+            flavor=request_limits,
+            flavor_name="mlflow.diffusers",
+            run_id=run.run_id,
+            adapter_path=str(adapter),
+            base_model=base_ref,
+            signature=signature,
+            input_example=pd.DataFrame({"prompt": [example_prompt]}),
+            metadata={**metadata, "request_limits": request_limits.describe(p.name for p in signature.params)},
+        )
