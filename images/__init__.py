@@ -7,7 +7,7 @@ unpack it under ``/root``, which is on the images' ``PYTHONPATH``). So an image'
 hash of the ImageSpec, changes when a dependency changes (``[project].dependencies`` in
 pyproject.toml, the package and apt lists below) and not when library code changes.
 
-- ``CPU_IMAGE``: data preparation, checkpoint fetch, evaluation on CPU, report, registry.
+- ``CPU_IMAGE``: data preparation, base-weights fetch, evaluation on CPU, report, registry.
 - ``GPU_IMAGE``: the Ray training stage on GPUs: CUDA torch from the PyTorch wheels,
   ``ray[default]``, SGLang (its diffusion runtime serves rollouts) and ``wget`` (KubeRay's readiness
   probes run it in the head and worker pods).

@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 # Bump when a task's outputs change for the same inputs (the cache key is name + version + inputs).
 PREPARE_CACHE = Cache(version="prompts-v2")
-FETCH_CACHE = Cache(version="checkpoint-v1")
+FETCH_CACHE = Cache(version="base-weights-v1")
 # The train stage's metrics reach MLflow at most this late (and at every checkpoint and the end).
 METRICS_FLUSH_S = 10.0
 
@@ -182,10 +182,10 @@ def prepare_prompts(data: DataConfig, reward: RewardConfig, fingerprint: str) ->
     return Prompts(_frame(ps.train), _frame(ps.test), ps.digest, dict(ps.stats))
 
 
-# -- fetch_checkpoint ------------------------------------------------------------------------------------
+# -- fetch_base_weights ----------------------------------------------------------------------------------
 
 
-class Checkpoint(NamedTuple):
+class BaseWeights(NamedTuple):
     model_dir: FlyteDirectory
     digest: str
 
@@ -193,7 +193,7 @@ class Checkpoint(NamedTuple):
 @task(cache=FETCH_CACHE, **CPU_TASK, secret_requests=secrets("hf"), timeout=TIMEOUTS["fetch"], retries=2,
       requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="80Gi"))
 @user_errors
-def fetch_checkpoint(reference: str, revision: str) -> Checkpoint:
+def fetch_base_weights(reference: str, revision: str) -> BaseWeights:
     """Model reference -> diffusers folder + digest. ``HF_TOKEN`` comes from the environment (or a
     Flyte secret mounted as that variable) and only ever reaches the hub client."""
     load_secrets(secrets("hf"))
@@ -203,7 +203,7 @@ def fetch_checkpoint(reference: str, revision: str) -> Checkpoint:
     path = fetch_model(reference, revision, dest)
     digest = folder_digest(path)
     log.info("model %s@%s -> %s (digest %s)", reference, revision or "main", path, digest[:16])
-    return Checkpoint(FlyteDirectory(str(path)), digest)
+    return BaseWeights(FlyteDirectory(str(path)), digest)
 
 
 # -- warm start ---------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ RUN_OVERRIDES = [f"train.steps={STEPS}", "train.checkpoint_every=1", "eval.num_p
                  "algorithm.sft_source=builtin:shapes:8"]
 SFT_STEPS = 1  # the warm-start branch runs: RL then starts from the SFT LoRA's object-store URI
 SECRET_GROUP, SECRET_KEY = "hf", "token"
-TASKS_WITH_SECRET = ("fetch_checkpoint", "train", "evaluate", "register")
+TASKS_WITH_SECRET = ("fetch_base_weights", "train", "evaluate", "register")
 TIMED_TASKS = ("train", "evaluate", "register")
 
 for tool in ("moto_server", "mlflow", "ray", "pyflyte", "pyflyte-execute", "pyflyte-fast-execute"):
@@ -223,7 +223,7 @@ def test_serialized_templates_declare_images_resources_secrets_retries(package):
     """Every task the cluster would run says what it needs: image, resources, secrets, retries,
     timeouts, interruptibility, cache versions."""
     names = {t.split(".")[-1] for t in package.tasks if t.startswith("tasks.grpo.")}
-    assert {"resolve_config", "start_run", "prepare_prompts", "fetch_checkpoint", "track_inputs", "train",
+    assert {"resolve_config", "start_run", "prepare_prompts", "fetch_base_weights", "track_inputs", "train",
             "evaluate", "register", "report", "fingerprint_prompts"} <= names
     assert package.fast_tarball is not None, "pyflyte package --fast wrote no code tarball"
     import tarfile
@@ -258,7 +258,7 @@ def test_serialized_templates_declare_images_resources_secrets_retries(package):
     assert reward and "reward-cpu" in reward[0]["rayStartParams"]["resources"]
     for name in ("evaluate", "register"):
         assert requests(package.task(name).template).get("gpu") not in (None, "0"), f"{name}: no GPU request"
-    for name in ("prepare_prompts", "fetch_checkpoint"):
+    for name in ("prepare_prompts", "fetch_base_weights"):
         md = package.task(name).template.metadata
         assert md.discoverable and md.discovery_version, f"{name}: not cached with a version"
     assert train.metadata.retries.retries >= 3, f"train retries={train.metadata.retries.retries}"
@@ -288,7 +288,7 @@ def test_dag_completes(execution, token):
     _require_dag(execution)
     assert all(r.ok for r in execution.nodes.values())
     assert {r.task.split(".")[-1] for r in execution.nodes.values()} == {
-        "resolve_config", "start_run", "fingerprint_prompts", "prepare_prompts", "fetch_checkpoint", "track_inputs",
+        "resolve_config", "start_run", "fingerprint_prompts", "prepare_prompts", "fetch_base_weights", "track_inputs",
         "sft", "train", "evaluate", "register", "report"}
     assert all(len(r.attempts) == 1 for r in execution.nodes.values()), "a node needed a retry"
     # The tasks ran the packaged code (the fast-registration tarball), not this checkout, and the
@@ -316,7 +316,7 @@ def test_registry_has_the_version_with_its_lineage(execution, services, propelle
     assert not missing, f"version {mv.version} lacks lineage tags {missing}: {tags}"
     assert tags["flyte_execution_id"] == f"{propeller.project}-{propeller.domain}-{execution.name}"
     prompts = execution.by_task("prepare_prompts").outputs.literals
-    model = execution.by_task("fetch_checkpoint").outputs.literals
+    model = execution.by_task("fetch_base_weights").outputs.literals
     assert tags["dataset_digest"] == prompts["digest"].scalar.primitive.string_value
     assert tags["base_model_digest"] == model["digest"].scalar.primitive.string_value
     from diffusionrl.config import apply_overrides

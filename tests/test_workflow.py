@@ -78,11 +78,11 @@ def test_eval_compares_base_and_tuned_on_the_same_seeds(run):
     assert {"eval/win_rate", "eval/reward_mean", "eval/base_reward_mean"} <= set(out.eval_summary)
 
 
-def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, monkeypatch):
+def test_second_run_hits_the_cache_for_prompts_and_base_weights(grpo, tmp_path, monkeypatch):
     import flytekit.core.local_cache as local_cache
     from flytekit.core.local_cache import LocalTaskCache
 
-    from tasks.grpo import fetch_checkpoint, fingerprint_prompts, prepare_prompts
+    from tasks.grpo import fetch_base_weights, fingerprint_prompts, prepare_prompts
 
     # A private cache folder: the user's ~/.flyte/local-cache (e.g. from `make demo`) must not count.
     monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "true")
@@ -110,7 +110,7 @@ def test_second_run_hits_the_cache_for_prompts_and_checkpoint(grpo, tmp_path, mo
     monkeypatch.setattr("tasks.grpo.load_prompts", count_load)
     for _ in range(2):
         prepare_prompts(data=cfg.data, reward=cfg.reward, fingerprint=fingerprint_prompts(data=cfg.data))
-        fetch_checkpoint(reference=cfg.model.name, revision=cfg.model.revision)
+        fetch_base_weights(reference=cfg.model.name, revision=cfg.model.revision)
     assert calls["n"] == 2  # the second round came from the cache
     LocalTaskCache.clear()
     monkeypatch.setattr(LocalTaskCache, "_initialized", False, raising=False)
@@ -285,7 +285,7 @@ def test_prompts_are_validated_before_the_model_is_fetched(grpo, tmp_path):
         return node.flyte_entity.name if node.flyte_entity is not None else node.id
 
     upstream = {name(n): {name(u) for u in n.upstream_nodes} for n in grpo.nodes}
-    assert "tasks.grpo.prepare_prompts" in upstream["tasks.grpo.fetch_checkpoint"]
+    assert "tasks.grpo.prepare_prompts" in upstream["tasks.grpo.fetch_base_weights"]
     from diffusionrl.config import DataConfig, RewardConfig
     from diffusionrl.data import PromptDataError
     from tasks.grpo import prepare_prompts

@@ -1,4 +1,4 @@
-"""The GRPO pipeline: prompts + checkpoint -> Ray training -> evaluation -> MLflow registry -> report.
+"""The GRPO pipeline: prompts + base weights -> Ray training -> evaluation -> MLflow registry -> report.
 
     pyflyte run workflows/grpo.py grpo                                   # embedded default: tiny-cpu-shapes
     pyflyte run workflows/grpo.py grpo --config configs/tiny-cpu.yaml --overrides '["train.steps=5"]'
@@ -32,7 +32,7 @@ over bare dataclass defaults, and every value is type- and range-checked (NaN/in
   unknown keys too, but cannot tell a missing key from a default one, so it cannot merge.)
 
 Prompt data is validated (both splits present, non-empty, disjoint, every row scorable) in
-``prepare_prompts``, which ``fetch_checkpoint`` waits for: a bad prompt file costs no download.
+``prepare_prompts``, which ``fetch_base_weights`` waits for: a bad prompt file costs no download.
 A config or prompt mistake fails its task with a one-line message; ``pyflyte run`` shows it below a
 traceback box of the task's own frame (flytekit prints a box for every non-click exception).
 
@@ -61,7 +61,7 @@ from diffusionrl.config import Config, get_preset
 from tasks.grpo import (
     RegisteredVersion,
     evaluate,
-    fetch_checkpoint,
+    fetch_base_weights,
     fingerprint_prompts,
     nightly_run_dir,
     no_warm_start,
@@ -96,7 +96,7 @@ def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_
                            checkpoint_dir=checkpoint_dir)  # also the run folder's store, sft_source, init_lora
     run = start_run(config=given)  # MLflow preflight: fails before any data or weights are fetched
     prompts = prepare_prompts(data=given.data, reward=given.reward, fingerprint=fingerprint_prompts(data=given.data))
-    model = fetch_checkpoint(reference=given.model.name, revision=given.model.revision)
+    model = fetch_base_weights(reference=given.model.name, revision=given.model.revision)
     run >> prompts.digest  # (one output stands for its node)
     prompts.digest >> model.digest  # prompts are validated before any weights are fetched
     digests = track_inputs(run=run, config=given, train_prompts=prompts.train, test_prompts=prompts.test,

@@ -17,7 +17,7 @@ do the reward's own prompt checks (e.g. an OCR prompt without a quoted text). A 
 dropped. Blank and duplicate prompts are dropped and counted (a test row that repeats a training prompt is a
 duplicate). Every source must give both splits, non-empty and disjoint, or ``load_prompts`` fails saying why;
 it runs before any model is loaded (``train.build_loop``, and the workflow's ``prepare_prompts``, which the
-checkpoint fetch waits for). The split of a single file or generator is by a hash of each prompt's text, so it
+base-weights fetch waits for). The split of a single file or generator is by a hash of each prompt's text, so it
 does not depend on row order and a prompt never moves between train and test when rows are added.
 """
 

@@ -77,7 +77,7 @@ def check_init_lora(uri: str, lora_rank: int | None = None) -> None:
 
 def check_early(cfg, run_folder: str = "") -> None:
     """What a workflow's first task checks, needing no model: a builtin or local model reference
-    (``check_model``, as the worker will; a hub id is left to ``fetch_checkpoint``, which has the
+    (``check_model``, as the worker will; a hub id is left to ``fetch_base_weights``, which has the
     token), the object store of the run folder ``run_folder`` answers this task's credentials
     (``run.folder.check_store_access``), an SFT run's ``algorithm.sft_source`` exists and parses
     (``data.image_pairs.check_sft_source``), and ``algorithm.init_lora`` names a LoRA. Otherwise each would
