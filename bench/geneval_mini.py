@@ -1,17 +1,17 @@
 """GenEval in miniature: does RL make ``builtin:tiny-sd3-shapes`` draw what it is told?
 
-Trains the ``tiny-cpu-shapes`` preset (the demo: the strict ``geneval_mini`` judge on ``builtin:shapes``)
-for ``--steps`` steps or until ``--budget-s`` seconds of training are spent (held-out probes included,
-as in any run), then evaluates the base model and the tuned LoRA on every held-out prompt,
-``--eval-repeats`` seeds each (ODE sampling, the same seeds for both), and prints one JSON line: base
-and tuned strict success overall and per category, objects and shapeless blobs per image, the
-diversity (mean distance between images of different prompts, ``heldout.diversity``), the
-reward-hacking alarms of the run, the training steps and wall time, the training reward per step
-and the held-out probes (one progress line per step goes to stderr). With ``--compare
-flow_grpo,nft,...`` each objective runs on the same budget with its own preset's change set
-(``tiny-cpu-<name>``, as bench/learning.py) laid under the shapes task; with ``--seeds 0,1,2`` each
-runs once per training seed (``train.seed``), and each objective's entry holds every seed's result
-and the mean and spread of the gain.
+Trains the ``tiny-cpu-shapes`` preset (the demo: the strict ``geneval_mini`` judge on
+``builtin:shapes``) for ``--steps`` steps or until ``--budget-s`` seconds of training are spent (held-
+out probes included, as in any run), then evaluates the base model and the tuned LoRA on every held-out
+prompt, ``--eval-repeats`` seeds each (ODE sampling, the same seeds for both), and prints one JSON
+line: base and tuned strict success overall (GenEval's rule: the mean of the category accuracies) and
+per category, objects and shapeless blobs per image, the diversity (mean distance between images of
+different prompts, ``heldout.diversity``), the reward-hacking alarms of the run, the training steps and
+wall time, the training reward per step and the held-out probes (one progress line per step goes to
+stderr). With ``--compare flow_grpo,nft,...`` each objective runs on the same budget with its own
+preset's change set (``tiny-cpu-<name>``, as bench/learning.py) laid under the shapes task; with
+``--seeds 0,1,2`` each runs once per training seed (``train.seed``), and each objective's entry holds
+every seed's result and the mean and spread of the gain.
 
     python bench/geneval_mini.py [--steps N] [--budget-s S] [--eval-repeats K] [--compare a,b,...]
                                  [--seeds 0,1,...] [--set key=value ...]

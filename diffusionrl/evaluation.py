@@ -29,7 +29,8 @@ from diffusionrl.video import side_by_side, stacked
 class EvalResult:
     table: pd.DataFrame  # one row per sample (prompt, seed): base_* and tuned_* rewards (and per-sample values), win
     # eval/<reward>_mean (tuned), eval/base_<reward>_mean, eval/win_rate, ...; a reward's per-sample
-    # values (geneval_mini's success) as eval/[base_]<reward>_<key> overall and .../<category> per category
+    # values (geneval_mini's success) as eval/[base_]<reward>_<key> over samples, .../<category> per category
+    # and .../category_mean (GenEval's overall: each category counts once)
     summary: dict[str, float]
     grid: np.ndarray  # uint8 grid [H, W, 3] (video: [F, H, W, 3]): base row above tuned row, one column per
     # sample (prompt-major: a prompt's eval.seeds_per_prompt samples side by side)
@@ -109,8 +110,10 @@ def evaluate_lora(
                 prefix = f"eval/{'base_' if side == 'base' else ''}{name}_{key}"
                 summary[prefix] = float(table[column].mean())
                 if "category" in table:
-                    for category, value in table.groupby("category")[column].mean().items():
+                    per_category = table.groupby("category")[column].mean()
+                    for category, value in per_category.items():
                         summary[f"{prefix}/{category}"] = float(value)
+                    summary[f"{prefix}/category_mean"] = float(per_category.mean())  # GenEval's overall
     table["win"] = (table["tuned_reward"] > table["base_reward"]).astype(float)
     table.loc[table["tuned_reward"] == table["base_reward"], "win"] = 0.5
     summary.update(

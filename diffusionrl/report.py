@@ -71,9 +71,11 @@ def curves_png(metrics: pd.DataFrame) -> np.ndarray | None:
 
 
 def category_table(eval_table: pd.DataFrame | None) -> pd.DataFrame | None:
-    """GenEval's table: per category (and overall) the prompts and the base and tuned accuracy, from an
-    evaluation table with a ``category`` column and ``base_<reward>_success`` / ``tuned_<reward>_success``
-    columns (geneval_mini's); None for other tables."""
+    """GenEval's table: per category the samples and the base and tuned accuracy, then ``overall`` by
+    GenEval's rule (the mean of the category accuracies, each category counting once however many
+    prompts it holds) and ``all samples`` (the mean over samples), from an evaluation table with a
+    ``category`` column and ``base_<reward>_success`` / ``tuned_<reward>_success`` columns
+    (geneval_mini's); None for other tables."""
     if eval_table is None or "category" not in eval_table:
         return None
     base = next((c for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")), None)
@@ -81,7 +83,8 @@ def category_table(eval_table: pd.DataFrame | None) -> pd.DataFrame | None:
         return None
     tuned = "tuned_" + base[len("base_"):]
     table = eval_table.groupby("category").agg(prompts=("prompt", "size"), base=(base, "mean"), tuned=(tuned, "mean"))
-    table.loc["overall"] = [len(eval_table), eval_table[base].mean(), eval_table[tuned].mean()]
+    table.loc["overall"] = [len(eval_table), table["base"].mean(), table["tuned"].mean()]
+    table.loc["all samples"] = [len(eval_table), eval_table[base].mean(), eval_table[tuned].mean()]
     table["gain"] = table["tuned"] - table["base"]
     return table.reset_index()
 
@@ -193,8 +196,12 @@ def build_report(
         success = sorted(k for k in eval_summary if k.startswith("eval/base_") and k.endswith("_success"))
         for key in success:  # e.g. geneval_mini's strict success
             tuned = "eval/" + key[len("eval/base_"):]
-            parts.append(f"<p><b>Strict success ({html.escape(key[len('eval/base_'):-len('_success')])}):</b> "
-                         f"{eval_summary[key]:.2f} &rarr; {eval_summary.get(tuned, float('nan')):.2f}</p>")
+            line = (f"<p><b>Strict success ({html.escape(key[len('eval/base_'):-len('_success')])}):</b> "
+                    f"{eval_summary[key]:.2f} &rarr; {eval_summary.get(tuned, float('nan')):.2f} over samples")
+            if f"{key}/category_mean" in eval_summary:  # GenEval's overall: each category counts once
+                line += (f"; GenEval's overall (mean of the categories) {eval_summary[f'{key}/category_mean']:.2f} "
+                         f"&rarr; {eval_summary.get(f'{tuned}/category_mean', float('nan')):.2f}")
+            parts.append(line + "</p>")
         if "eval/diversity" in eval_summary:
             parts.append(f"<p><b>Diversity</b> (mean distance between images of different prompts): "
                          f"{eval_summary.get('eval/base_diversity', float('nan')):.3f} &rarr; "

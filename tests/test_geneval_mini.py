@@ -150,7 +150,9 @@ def test_report_shows_the_per_category_table_and_prompts_side_by_side():
                           "base_geneval_mini_success": [1.0, 0.0, 0.0], "tuned_geneval_mini_success": [1.0, 1.0, 0.0]})
     per = category_table(table).set_index("category")
     assert per.loc["counting", "base"] == 0.0 and per.loc["counting", "tuned"] == 0.5
-    assert per.loc["overall", "prompts"] == 3 and per.loc["overall", "gain"] == pytest.approx(1 / 3)
+    # GenEval's overall: the mean of the categories (single 1 -> 1, counting 0 -> 0.5), not of the samples
+    assert per.loc["overall", "base"] == 0.5 and per.loc["overall", "gain"] == pytest.approx(0.25)
+    assert per.loc["all samples", "prompts"] == 3 and per.loc["all samples", "gain"] == pytest.approx(1 / 3)
     assert category_table(table.drop(columns="category")) is None
     grid = np.zeros((2 * 16, 3 * 16, 3), np.uint8)
     page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=None, grid=grid)

@@ -23,11 +23,14 @@ def test_one_step_on_the_shapes_world_and_a_per_category_evaluation(tmp_path):
     test = load_prompts(cfg.data).test
     rows = [next(r for r in test if r["category"] == c) for c in CATEGORIES]
     ev = evaluate_lora(cfg, rows, result.model_dir)
-    k = cfg.eval.seeds_per_prompt  # the preset's 3 samples per prompt, side by side, seeds 1234 + 3 i + j
+    k = cfg.eval.seeds_per_prompt  # the preset's 8 samples per prompt, side by side, seeds 1234 + 8 i + j
     assert ev.table["category"].tolist() == [c for c in CATEGORIES for _ in range(k)]
     assert ev.table["seed"].tolist() == [cfg.eval.seed + i for i in range(k * len(CATEGORIES))]
     assert ev.grid.shape[1] == k * len(CATEGORIES) * 64 and "eval/diversity" in ev.summary
     assert set(ev.table["base_geneval_mini_success"]) <= {0.0, 1.0}
+    # GenEval's overall: the mean of the category accuracies
+    per = [ev.summary[f"eval/geneval_mini_success/{c}"] for c in CATEGORIES]
+    assert ev.summary["eval/geneval_mini_success/category_mean"] == pytest.approx(sum(per) / len(per))
     assert (ev.table["tuned_geneval_mini"] >= ev.table["tuned_geneval_mini_success"]).all()  # partial credit
     for side in ("", "base_"):
         per_category = [ev.summary[f"eval/{side}geneval_mini_success/{c}"] for c in CATEGORIES]

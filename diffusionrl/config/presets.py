@@ -206,8 +206,9 @@ TINY_CPU_SHAPES: dict[str, Any] = {
     # and at 1e-2 the base collapsed into noise in 5 (20 objects, 16 blobs per image); at 1e-3, 40 steps
     # took held-out strict success 0.18 -> 0.26 (bench/geneval_mini.py --budget-s 300)
     "train": {"learning_rate": 1e-3, "steps": 60},
-    # every held-out prompt, 3 seeds each in the final evaluation; a probe of all of them every 5 steps
-    "eval": {"num_prompts": 0, "seeds_per_prompt": 3, "every": 5, "probe_prompts": 0},
+    # every held-out prompt, 8 seeds each in the final evaluation (1-2 prompts hold a category: fewer seeds
+    # move a category's figure by whole steps); a probe of all of them every 5 steps
+    "eval": {"num_prompts": 0, "seeds_per_prompt": 8, "every": 5, "probe_prompts": 0},
     "tracking": {"registered_model": "tiny-sd3-shapes"},
 }
 
