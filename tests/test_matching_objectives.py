@@ -248,3 +248,12 @@ def test_configuration_fails_closed():
         tiny_config("algorithm.dpo_pairs=random", preset="tiny-cpu-dpo")
     with pytest.raises(ConfigError, match="dpo_beta"):
         tiny_config("algorithm.dpo_beta=0", preset="tiny-cpu-dpo")
+
+
+@pytest.mark.parametrize("override", ["train.minibatches=2", "train.inner_epochs=2"])
+def test_awm_refuses_more_than_one_optimizer_step_per_rollout(override):
+    """AWM has no ratio or clip (docs/algorithms.md 14.4): an update after the first would be off-policy."""
+    with pytest.raises(ConfigError, match=r"algorithm.name=awm .*no ratio or clip.*train.minibatches=1 and "
+                                          r"train.inner_epochs=1"):
+        tiny_config(override, preset="tiny-cpu-awm")
+    tiny_config(override, preset="tiny-cpu-nft")  # the other re-noising objective takes it

@@ -94,6 +94,12 @@ def check_objective_fit(cfg) -> None:
             f"train.prompts_per_step * group_size = 1 sample has none (its advantage is 0), so no step would "
             "update the weights; use train.group_size >= 2"
         )
+    if name == "awm" and (tc.minibatches != 1 or tc.inner_epochs != 1):
+        raise ConfigError(
+            f"algorithm.name=awm with train.minibatches={tc.minibatches}, train.inner_epochs={tc.inner_epochs}: AWM "
+            "has no ratio or clip: every update after the first would be off-policy; set train.minibatches=1 and "
+            "train.inner_epochs=1"
+        )
     if name == "grpo_guard" and sc.sde_type not in EXACT_SDE_TYPES:
         raise ConfigError(
             f"algorithm.name=grpo_guard needs rollouts with an exact Gaussian log-prob (sampling.sde_type "
