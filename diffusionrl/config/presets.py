@@ -161,8 +161,9 @@ TINY_CPU_DANCE: dict[str, Any] = {"sampling": {"sde_type": "dance", "noise_level
 # heavy KL it is meant to make unnecessary (docs/algorithms.md section 14.2).
 TINY_CPU_GRPO_GUARD: dict[str, Any] = {"algorithm": {"name": "grpo_guard", "kl_beta": 0.0}}
 
-# Over TINY_CPU: Flow-DPPO, the x-based trust region at its authors' threshold, no reference KL, and two
-# optimizer steps per rollout so that the trust region has an old policy to hold the second one to.
+# Over TINY_CPU: Flow-DPPO, the x-based trust region at this project's default threshold (1e-6, tighter than
+# the published 1e-5; docs/algorithms.md 14.3), no reference KL, and two optimizer steps per rollout so that
+# the trust region has an old policy to hold the second one to.
 TINY_CPU_DPPO: dict[str, Any] = {
     "algorithm": {"name": "dppo", "kl_beta": 0.0, "dppo_kl_space": "x", "dppo_kl_threshold": 1e-6},
     "train": {"minibatches": 2},
