@@ -12,24 +12,9 @@ start before RL (the ``sft`` task: flow matching on ``algorithm.sft_source``'s (
 pairs, with the SFT-only dotted ``sft_overrides``, in ``checkpoint_dir/sft``); RL then starts from
 its LoRA (``algorithm.init_lora``).
 
-How a config gets in, and why it is checked the same on every way in. The input stays the typed
-``Config`` dataclass (not a YAML string), so the console keeps its JSON box with every default and
-tasks keep typed sections (``prepare_prompts`` caches on ``DataConfig`` alone). Flytekit turns a
-value into that dataclass on two roads, and both now run ``Config.from_dict``, the code behind
-``python -m diffusionrl.train --config``: unknown keys are rejected with the closest known key, a
-partial tree is laid over the preset its ``preset`` key names (``tiny-cpu`` when it has none), never
-over bare dataclass defaults, and every value is type- and range-checked (NaN/inf included).
-
-* ``pyflyte run ... --config FILE.yaml`` (and ``--remote``): flytekit's ``JsonParamType`` parses the
-  file and calls the class's ``from_json``; without one it would wrap ``Config`` with
-  dataclasses_json, which drops unknown keys and fills gaps from bare defaults (and replaces
-  ``Config.from_dict``/``to_dict`` in the process). ``ConfigTree.from_json`` is ``from_dict``.
-* Everything flytekit decodes (a launch from the console or ``FlyteRemote``, msgpack or JSON
-  literals, and every task input of type ``Config``): mashumaro's ``__pre_deserialize__`` hook on
-  ``ConfigTree`` completes and checks the raw dict before mashumaro builds the dataclass, so a
-  partial tree typed into the console is merged over its preset, and a misspelt key fails the
-  first task (``resolve_config``) naming the key. (mashumaro's ``forbid_extra_keys`` would reject
-  unknown keys too, but cannot tell a missing key from a default one, so it cannot merge.)
+How a config gets in (flytekit's two decoding roads, both through ``Config.from_dict``, so a
+partial tree is laid over its preset and an unknown key is an error on every way in):
+docs/architecture.md, "How a config gets in".
 
 Prompt data is validated (both splits present, non-empty, disjoint, every row scorable) in
 ``prepare_prompts``, which ``fetch_base_weights`` waits for: a bad prompt file costs no download.

@@ -172,10 +172,9 @@ class ConfigTree:
 
     @classmethod
     def from_json(cls, text: str | bytes):
-        """The tree of a JSON object, full or partial (``from_dict``). ``pyflyte run ... --config
-        FILE`` builds a dataclass input with its class's ``from_json`` (flytekit's ``JsonParamType``;
-        without one it would wrap the class with dataclasses_json, which ignores unknown keys and fills
-        gaps with bare defaults), so a YAML file there is checked as ``load_config`` checks it."""
+        """The tree of a JSON object, full or partial (``from_dict``): what ``pyflyte run ... --config
+        FILE`` calls, so a YAML file there is checked as ``load_config`` checks it (why: docs/architecture.md,
+        "How a config gets in")."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -187,10 +186,9 @@ class ConfigTree:
 
     @classmethod
     def __pre_deserialize__(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """mashumaro's hook, run on the raw dict before it decodes a tree (flytekit decodes every
-        dataclass input with mashumaro codecs: a launch from the Flyte console or a remote client,
-        and every task that takes the tree). The dict is completed and checked as ``from_dict`` does:
-        a partial tree is laid over its preset, an unknown key is an error, not a silent drop."""
+        """mashumaro's hook, run on the raw dict before it decodes a tree (whenever flytekit decodes one:
+        docs/architecture.md, "How a config gets in"). The dict is completed and checked as ``from_dict``
+        does: a partial tree is laid over its preset, an unknown key is an error, not a silent drop."""
         return cls.from_dict(data, where="config").to_dict()
 
     def check_numbers(self) -> None:

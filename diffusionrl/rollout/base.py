@@ -49,7 +49,7 @@ class RolloutEngine(Protocol):
 
     Engines must give the same log-probs for the same weights and noise: the local engine
     (``rollout/local.py``) and the SGLang engine (``rollout/sglang/``) are interchangeable behind
-    this protocol. Both are built by ``training.loop.make_engine``.
+    this protocol. Both are built by ``rollout.factory.make_engine``.
     """
 
     name: str  # "local" | "sglang"
