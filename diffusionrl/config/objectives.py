@@ -113,6 +113,14 @@ def check_objective_fit(cfg) -> None:
         )
     if cfg.train.world_size > 1 and (cfg.algorithm.init_lora or name == "sft"):
         raise ConfigError("algorithm.init_lora and algorithm.name=sft run in one process: set train.world_size=1")
+    if sc.same_latent and name not in SDE_OBJECTIVES:
+        raise ConfigError(
+            f"sampling.same_latent with algorithm.name={name}: its rollouts are ODE, so a group sharing its initial "
+            "latent would be one image repeated (no reward spread); same_latent is for " + ", ".join(SDE_OBJECTIVES)
+        )
+    if sc.same_latent and sc.engine == "sglang":
+        raise ConfigError("sampling.same_latent is not available with sampling.engine=sglang (the server draws each "
+                          "output's initial latent from its own seed); use sampling.engine=local")
     if name in SDE_OBJECTIVES and sc.engine == "sglang" and sc.sde_type == "dance":
         raise ConfigError(
             "sampling.sde_type=dance is not available with sampling.engine=sglang (the server samples sde or cps); "

@@ -63,6 +63,9 @@ class SamplingConfig:
     window_range: list[int] = option([0, 5], "[lo, hi): the SDE window lies inside these step indices")
     candidate_steps: list[int] = option([0, 1, 2, 3, 4, 5, 6, 7, 8], "Steps epoch_random_choice draws from")
     ode_solver: str = option("euler", "Deterministic solver for NFT rollouts and eval: euler | heun")
+    same_latent: bool = option(False, "Training rollouts: a group's samples start from one initial latent (the "
+                               "group's first seed; flow_grpo's sample.same_latent, DanceGRPO's init_same_noise), so "
+                               "their reward spread comes from the trained SDE steps alone")
     engine: str = option("local", "Rollout engine: local (in-process diffusers) | sglang (SGLang diffusion server)")
     sglang_python: str = option(
         "", "sglang engine: Python interpreter of the SGLang venv ('' = $DIFFUSIONRL_SGLANG_PYTHON, else "

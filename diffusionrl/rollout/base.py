@@ -25,6 +25,9 @@ class SamplingSpec:
     ode_solver: str = "euler"  # euler | heun (deterministic sampling only)
     keep_images: bool = True
     num_frames: int = 1  # video families: pixel frames per sample (Wan: 1 + 4k)
+    # a group's samples start from the initial latent of the group's first seed (sampling.same_latent: the
+    # training rollouts only; from_config leaves it off, so evaluation samples never share a latent)
+    same_latent: bool = False
 
     @classmethod
     def from_config(cls, cfg, **override) -> SamplingSpec:

@@ -79,6 +79,17 @@ class RolloutBatch:
     def size(self) -> int:
         return len(self.prompts)
 
+    @property
+    def latent_seeds(self) -> torch.Tensor:
+        """``[B]`` the seed of each sample's initial latent: its own seed, or with ``spec.same_latent``
+        the seed of its group's first sample in the batch (so the latent does not depend on micro-batches)."""
+        if not self.spec.same_latent:
+            return self.seeds
+        first: dict[int, int] = {}
+        for i, g in enumerate(self.group_ids.tolist()):
+            first.setdefault(g, i)
+        return self.seeds[torch.as_tensor([first[g] for g in self.group_ids.tolist()], dtype=torch.long)]
+
     def trajectory(
         self,
         *,

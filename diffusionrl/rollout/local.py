@@ -82,7 +82,8 @@ class LocalRolloutEngine:
         for start in tqdm(chunks, desc="rollout", disable=not self.progress, leave=False):
             sl = slice(start, start + micro)
             mask = batch.sde_mask[sl]
-            lat, lp = self._sample_chunk(cond.select(sl), batch.seeds[sl], mask, sigmas, timesteps, spec)
+            lat, lp = self._sample_chunk(cond.select(sl), batch.seeds[sl], mask, sigmas, timesteps, spec,
+                                         batch.latent_seeds[sl])
             latents.append(lat)
             log_probs.append(lp)
             if spec.keep_images:
@@ -105,6 +106,7 @@ class LocalRolloutEngine:
         sigmas: torch.Tensor,
         timesteps: torch.Tensor,
         spec: SamplingSpec,
+        latent_seeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one micro-batch; returns latents ``[m, T+1, *sample_shape]`` (``[C, H, W]``, or
         ``[C, F', H, W]`` for video) and log-probs ``[m, T]``."""
@@ -112,12 +114,15 @@ class LocalRolloutEngine:
         shape = self.adapter.sample_shape(spec.resolution, spec.num_frames)
         # One generator per sample, all its noise drawn at once: the initial latent and one draw
         # per step (also at ODE steps, so a sample's noise ignores the step set). A sample's
-        # noise depends on its seed only, not on the batch it is sampled in.
-        noise = torch.stack([
-            torch.randn((spec.num_steps + 1, *shape), generator=torch.Generator("cpu").manual_seed(int(s)))
-            for s in seeds
-        ]).to(device)  # [m, T+1, *sample_shape]
+        # noise depends on its seed only, not on the batch it is sampled in. With ``latent_seeds`` (a group
+        # sharing one initial latent) the initial latent is that of the latent seed's own draw.
+        def draw(s) -> torch.Tensor:
+            return torch.randn((spec.num_steps + 1, *shape), generator=torch.Generator("cpu").manual_seed(int(s)))
+
+        noise = torch.stack([draw(s) for s in seeds]).to(device)  # [m, T+1, *sample_shape]
         x = noise[:, 0]  # [m, *sample_shape] float32
+        if latent_seeds is not None and not torch.equal(latent_seeds, seeds):
+            x = torch.stack([draw(s)[0] for s in latent_seeds]).to(device)
         states, lps = [x.cpu()], []
         mask_dev = mask.to(device)
         for i in range(spec.num_steps):

@@ -69,7 +69,7 @@ class ImageBackend:
         self.probe = HeldOutProbe(cfg, prompts.test, scorer, eval_spec(cfg))
         rollout_sde = getattr(objective_class(cfg.algorithm.name), "rollout_sde_type", None)
         self.rollout_sde_type = rollout_sde or cfg.sampling.sde_type
-        self.spec = SamplingSpec.from_config(cfg, sde_type=self.rollout_sde_type)
+        self.spec = SamplingSpec.from_config(cfg, sde_type=self.rollout_sde_type, same_latent=cfg.sampling.same_latent)
         self.version = 0
         self.cursor = 0
 

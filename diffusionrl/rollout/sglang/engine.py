@@ -265,6 +265,9 @@ class SGLangRolloutEngine:
                 f"{'/'.join(SERVER_SDE_TYPES)} (Dance-SDE's constant-noise dynamics are not one of them); "
                 "use sampling.engine=local"
             )
+        if spec.same_latent:
+            raise NotImplementedError("the sglang engine cannot share a group's initial latent (sampling.same_latent):"
+                                      " its server draws each output's latent from its own seed; use the local engine")
         if spec.sde_type == "ode" and spec.ode_solver != "euler":
             raise NotImplementedError(f"the sglang engine samples ODE steps with Euler only, not {spec.ode_solver!r}")
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
