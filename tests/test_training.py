@@ -94,6 +94,8 @@ def test_resume_equals_uninterrupted(tmp_path):
     mb = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/reward/raw_mean"] for m in ma] == [m["rollout/reward/raw_mean"] for m in mb]
     assert (tmp_path / "part" / "lora_ema" / "adapter_model.safetensors").is_file()
+    for name in ("lora/README.md", "lora/adapter_config.json", "lora_ema/README.md"):  # the cards: no time, no path
+        assert (tmp_path / "full" / name).read_bytes() == (tmp_path / "part" / name).read_bytes(), name
 
 
 def test_resume_with_another_objective_fails_closed(tmp_path):

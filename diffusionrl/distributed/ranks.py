@@ -128,13 +128,18 @@ class RankGroup:
     def save_lora(self, out_dir: Path, info: dict[str, Any]) -> tuple[Path, dict[str, Path]]:
         from safetensors.torch import save_file
 
+        from diffusionrl.serving.model_card import adapter_facts, write_card
+
         peft_config = self._all("peft_config")[0]
+        rank0 = self.infos[0]
+        info = {**info, **adapter_facts(self.cfg, rank0["family"], rank0["pipeline_class"])}
 
         def write(folder: Path, tensors: dict[str, torch.Tensor], extra: dict) -> Path:
             folder.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(folder / "adapter_model.safetensors"))
             peft_config.save_pretrained(str(folder))
             (folder / "diffusionrl.json").write_text(json.dumps({**info, **extra}, indent=1))
+            write_card(folder, {**info, **extra})
             return folder
 
         out = write(out_dir / "lora", self._all("peft_state")[0], {})

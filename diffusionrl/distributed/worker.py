@@ -146,7 +146,8 @@ class TrainerRank:
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "digest": self.adapter.digest(),
                 "backend": dist.get_backend(), "engine": getattr(self.engine, "name", None),
-                "params": len(self.policy.params)}
+                "params": len(self.policy.params), "family": self.adapter.family,
+                "pipeline_class": self.adapter.pipeline_class}
 
     # -- rollout ----------------------------------------------------------------------------------
     def rollout(self, prompts, group_ids, seeds, spec, mask, metadata):

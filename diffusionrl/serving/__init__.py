@@ -6,6 +6,8 @@
   the params' defaults);
 - ``mlflow_model``: ``log_lora_model``, the LoRA as an ``mlflow.diffusers`` model (video families:
   ``video_model``);
+- ``model_card``: a LoRA folder's ``README.md`` (``render_card``, ``write_card``: what it is, held-out
+  results, how to load it) and a registered version's description (``version_description``);
 - ``request_limits``: bounds on every request a served model takes; the image model's pyfunc loader,
   shipped as its code (so it imports only the standard library and mlflow, and is imported as a
   module: its names are not re-exported here);
@@ -25,11 +27,13 @@ from .champion import CANDIDATE, CHAMPION, current_champion, decide, eval_key, r
 from .cli import main, show
 from .lora_export import ADAPTER_FILE, PEFT_SUBDIR, diffusers_adapter_dir
 from .mlflow_model import log_lora_model
+from .model_card import render_card, version_description, write_card
 from .registry import Registration, register, register_lora, version_url
 from .signature import image_params, model_signature
 
 __all__ = [
     "ADAPTER_FILE", "CANDIDATE", "CHAMPION", "PEFT_SUBDIR", "Registration", "current_champion", "decide",
     "diffusers_adapter_dir", "eval_key", "image_params", "log_lora_model", "main", "model_signature", "register",
-    "register_lora", "run_state", "show", "valid_champion", "version_url",
+    "register_lora", "render_card", "run_state", "show", "valid_champion", "version_description", "version_url",
+    "write_card",
 ]

@@ -1,0 +1,208 @@
+"""The model card (``README.md``) of a LoRA folder, and the registered version's description.
+
+``render_card(info, results)`` is pure: ``info`` is what the trainer records beside the adapter
+(``diffusionrl.json``: ``base_model``, ``base_model_revision``, ``base_model_digest``, ``step``,
+``algorithm``, ``config_digest``, and where known ``family``, ``pipeline_class``, ``reward``,
+``registered_model``, ``sft_source``, ``ema_decay``, ``world_size``), ``results`` the held-out
+evaluation's summary (``evaluation.evaluate_lora``: ``eval/reward_mean``, ``eval/base_reward_mean``,
+...) or ``None`` when the folder is written before it is evaluated. Nothing in a card depends on the
+time or on where the folder lies, so a resumed run writes the same card as an uninterrupted one.
+
+Two layouts: ``peft`` (a run's ``lora/``: ``adapter_model.safetensors`` + ``adapter_config.json``)
+and ``diffusers`` (the registered model's adapter, ``lora_export.diffusers_adapter_dir``:
+``pytorch_lora_weights.safetensors`` + ``peft/``); each card gives the loading call of its layout.
+``write_card`` also sets ``adapter_config.json``'s ``base_model_name_or_path`` to the model id (peft
+records the folder the weights were loaded from, a temporary one in the workflow).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+PEFT, DIFFUSERS = "peft", "diffusers"
+OBJECTIVES = {  # algorithm.name -> what it is (docs/algorithms.md section 14)
+    "flow_grpo": "Flow-GRPO (Liu et al. 2025)",
+    "nft": "DiffusionNFT (Zheng et al. 2025)",
+    "grpo_guard": "GRPO-Guard (Wang et al. 2025)",
+    "dppo": "Flow-DPPO (Ping et al. 2026)",
+    "awm": "Advantage Weighted Matching (Xue et al. 2025)",
+    "dpo": "online Diffusion-DPO (after Wallace et al. 2024)",
+    "sft": "supervised flow matching (SFT warm start)",
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_PLACEHOLDER = "path/to/this/folder"
+
+
+def is_hub_id(reference: str) -> bool:
+    return bool(_HUB_ID.match(reference)) and not reference.startswith((".", "/"))
+
+
+def _card_base_model(reference: str) -> str | None:
+    """The front matter's ``base_model``: a hub id or a builtin name (a local folder is no id)."""
+    return reference if reference.startswith("builtin:") or is_hub_id(reference) else None
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def result_rows(results: dict) -> list[tuple[str, float, float]]:
+    """(metric, tuned, base) for every ``eval/<m>`` with an ``eval/base_<m>`` beside it, sorted."""
+    rows = []
+    for key in sorted(results):
+        if key.startswith("eval/") and not key.startswith("eval/base_") and f"eval/base_{key[5:]}" in results:
+            rows.append((key[5:], results[key], results[f"eval/base_{key[5:]}"]))
+    return rows
+
+
+def _reward_text(info: dict) -> str:
+    reward = info.get("reward")
+    if reward:
+        return ", ".join(f"`{name}` {_fmt(float(w))}" for name, w in sorted(reward.items()))
+    if info.get("sft_source"):
+        return f"none (supervised on `{info['sft_source']}`)"
+    return "not recorded"
+
+
+def _snippet(info: dict, imports: list[str], body: list[str]) -> list[str]:
+    """A Python block: the base pipeline (plain diffusers for a hub id or folder, diffusionrl's
+    loader for a built-in model), then ``body``."""
+    base, revision = info["base_model"], info.get("base_model_revision") or ""
+    pipeline = info.get("pipeline_class") or "DiffusionPipeline"
+    if base.startswith("builtin:"):
+        head = ["from diffusionrl.models.families import load_pipeline"]
+        load = f"pipe = load_pipeline({json.dumps(base)})  # a diffusionrl built-in model"
+    else:
+        head = [f"from diffusers import {pipeline}"]
+        rev = f", revision={json.dumps(revision)}" if revision else ""
+        load = f"pipe = {pipeline}.from_pretrained({json.dumps(base)}{rev})"
+    return ["```python", *sorted(head + imports), "", load, *body, "```"]
+
+
+def _loading(info: dict, layout: str) -> list[str]:
+    pipeline = json.dumps(info.get("pipeline_class") or "DiffusionPipeline")
+    name = info.get("registered_model") or "<registered model>"
+    output = "GIF" if info.get("family") == "wan" else "PNG"
+    here = json.dumps(_PLACEHOLDER)
+    lines = ["## How to load it", ""]
+    if layout == DIFFUSERS:
+        lines += ["With diffusers (`pytorch_lora_weights.safetensors` here carries the rank and alpha):", "",
+                  *_snippet(info, [], [f"pipe.load_lora_weights({here})"]), "",
+                  "With peft, from the copy under `peft/`:", "",
+                  *_snippet(info, ["from peft import PeftModel"],
+                            [f"pipe.transformer = PeftModel.from_pretrained(pipe.transformer, "
+                             f"{json.dumps(_PLACEHOLDER + '/peft')})"])]
+    else:
+        lines += ["With peft (this folder is peft's format):", "",
+                  *_snippet(info, ["from peft import PeftModel"],
+                            [f"pipe.transformer = PeftModel.from_pretrained(pipe.transformer, {here})"]), "",
+                  "With diffusers' `load_lora_weights`, after writing the adapter in its key layout (with rank and "
+                  "alpha; `load_lora_weights` on this folder itself finds no keys it knows and loads nothing):", "",
+                  *_snippet(info, ["from diffusionrl.serving import diffusers_adapter_dir"],
+                            [f'folder = diffusers_adapter_dir({here}, "lora-diffusers", {pipeline})',
+                             "pipe.load_lora_weights(str(folder))"])]
+    lines += ["", f"As the registered MLflow model (base weights and adapter together; it returns {output} bytes):", "",
+              "```python", "import mlflow", "import pandas as pd", "",
+              f'model = mlflow.pyfunc.load_model("models:/{name}@champion")  # or models:/{name}/<version>',
+              'images = model.predict(pd.DataFrame({"prompt": ["a photo of a cat"]}))', "```"]
+    return lines
+
+
+def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> str:
+    """The README.md of a LoRA folder: front matter, what it is, held-out results, how to load it."""
+    if layout not in (PEFT, DIFFUSERS):
+        raise ValueError(f"layout {layout!r}: {PEFT} or {DIFFUSERS}")
+    base = info["base_model"]
+    algorithm = info.get("algorithm", "")
+    family = info.get("family") or ""
+    tags = ["lora", "diffusionrl", *(t for t in (algorithm, family) if t)]
+    front = ["---"]
+    card_base = _card_base_model(base)
+    if card_base:
+        front.append(f"base_model: {json.dumps(card_base)}")
+    front += [f"library_name: {layout}", f"pipeline_tag: {'text-to-video' if family == 'wan' else 'text-to-image'}",
+              "tags:", *(f"- {json.dumps(t)}" for t in tags), "---", ""]
+    revision = info.get("base_model_revision") or ""
+    what = [
+        f"# LoRA for {base}, trained with {OBJECTIVES.get(algorithm, algorithm)}", "",
+        f"A LoRA adapter for the transformer of `{base}`, written by diffusionrl "
+        f"({'peft format' if layout == PEFT else 'diffusers format, with the peft copy under peft/'}).", "",
+        "## What it is", "",
+        f"- Base model: `{base}`" + (f" at revision `{revision}`" if revision else " (default revision)"),
+        f"- Base weights digest (SHA-256 of the model folder): `{info.get('base_model_digest', 'not recorded')}`",
+    ]
+    if family or info.get("pipeline_class"):
+        what.append(f"- Family: {family or '?'} (`{info.get('pipeline_class') or '?'}`)")
+    what += [
+        f"- Objective: `{algorithm}`, {OBJECTIVES.get(algorithm, 'see docs/algorithms.md')}",
+        f"- Reward weights: {_reward_text(info)}",
+        f"- Training steps: {info.get('step', '?')}",
+        f"- Config digest: `{info.get('config_digest', 'not recorded')}` (the run folder's `config.json`)",
+    ]
+    if "ema_decay" in info:
+        what.append(f"- Weights: the exponential moving average of the LoRA (decay {_fmt(info['ema_decay'])})")
+    if info.get("world_size"):
+        what.append(f"- Trainer ranks: {info['world_size']}")
+    held = ["", "## Held-out results", ""]
+    if results and result_rows(results):
+        held += ["Held-out prompts, the same seeds for the tuned and the base model:", "",
+                 "| metric | this LoRA | base model |", "| --- | --- | --- |",
+                 *(f"| {m} | {_fmt(t)} | {_fmt(b)} |" for m, t, b in result_rows(results))]
+        extra = [f"{label} {_fmt(results[k])}" for k, label in (("eval/reward_gain", "reward gain"),
+                 ("eval/win_rate", "win rate"), ("eval/num_prompts", "prompts"),
+                 ("eval/seeds_per_prompt", "seeds per prompt")) if k in results]
+        if extra:
+            held += ["", "; ".join(extra) + "."]
+    else:
+        held.append("Not measured when this folder was written. The workflow's `evaluate` task scores the LoRA "
+                    "on the held-out prompts against the base model with the same seeds: the run's report "
+                    "(`report.html`) and its MLflow run (`eval/reward_mean` vs `eval/base_reward_mean`) have the "
+                    "figures, and the registered model version's description repeats them.")
+    return "\n".join(front + what + held + [""] + _loading(info, layout)) + "\n"
+
+
+def version_description(info: dict, results: dict | None, run_id: str) -> str:
+    """A registered version's one-paragraph description: base model, objective, reward, steps,
+    held-out score against the base model's, run id."""
+    base = info["base_model"]
+    revision = info.get("base_model_revision") or ""
+    text = (f"LoRA of {base}{'@' + revision if revision else ''} "
+            f"(weights {str(info.get('base_model_digest', '?'))[:16]}), {info.get('algorithm', '?')}, "
+            f"reward {_reward_text(info).replace('`', '')}, {info.get('step', '?')} steps. ")
+    if results and "eval/reward_mean" in results and "eval/base_reward_mean" in results:
+        tuned, base_score = results["eval/reward_mean"], results["eval/base_reward_mean"]
+        text += f"Held-out reward {_fmt(tuned)} vs base {_fmt(base_score)} ({tuned - base_score:+.4g}"
+        if "eval/num_prompts" in results:
+            text += f", {int(results['eval/num_prompts'])} prompts"
+        text += "). "
+    else:
+        text += "Held-out score: not evaluated. "
+    return text + f"MLflow run {run_id}."
+
+
+def adapter_facts(cfg, family: str, pipeline_class: str) -> dict:
+    """What a saved adapter's ``diffusionrl.json`` adds for its card: the family, its pipeline class,
+    the reward weights (an RL run's) and the registry name."""
+    facts = {"family": family, "pipeline_class": pipeline_class, "registered_model": cfg.tracking.registered_model}
+    if cfg.algorithm.name != "sft":
+        facts["reward"] = dict(sorted(cfg.reward.weights.items()))
+    return facts
+
+
+def write_card(folder: str | Path, info: dict, results: dict | None = None, layout: str = PEFT) -> Path:
+    """Write ``folder/README.md`` (over peft's empty template) and, in a peft folder, point
+    ``adapter_config.json``'s ``base_model_name_or_path`` at the model id (target modules sorted, so
+    the file does not depend on set order)."""
+    folder = Path(folder)
+    config = folder / "adapter_config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        data["base_model_name_or_path"] = info["base_model"]
+        if isinstance(data.get("target_modules"), list):
+            data["target_modules"] = sorted(data["target_modules"])
+        config.write_text(json.dumps(data, indent=2, sort_keys=True))
+    card = folder / "README.md"
+    card.write_text(render_card(info, results, layout))
+    return card
