@@ -336,7 +336,8 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
     lineage = tracking.lineage(run, dataset_digest=prompts_digest, test_dataset_digest=test_digest,
                                base_model_digest=model_digest, algorithm=config.algorithm.name, preset=config.preset)
     reg = serving.register_lora(run, config, lora.download(), model_dir.download(), model_digest,
-                                 rows_from_frame(test_prompts), test_digest, eval_summary["eval/reward_mean"], lineage)
+                                 rows_from_frame(test_prompts), test_digest, eval_summary["eval/reward_mean"], lineage,
+                                 summary=eval_summary)
     return RegisteredVersion.record(run, reg)
 
 

@@ -79,6 +79,7 @@ def test_version_description_names_base_objective_reward_steps_scores_and_run():
                  "0.62 vs base 0.41 (+0.21, 24 prompts)", "run123"):
         assert fact in text, fact
     assert "not evaluated" in version_description(INFO, None, "run123")
+    assert "Held-out reward 0.5 (base not recorded)" in version_description(INFO, {"eval/reward_mean": 0.5}, "r")
 
 
 @pytest.mark.usefixtures("one_torch_thread")

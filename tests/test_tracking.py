@@ -178,6 +178,29 @@ def test_registered_versions_candidate_and_champion(server, runs):
     assert tags["champion_before"] == good.registered.version and tags["eval_key"]
 
 
+def test_a_registered_version_has_a_description_and_a_model_card(server, runs):
+    """The version says what it is (base model, objective, reward, steps, held-out score vs base, run),
+    and its model card is the adapter folder's README.md and an artifact of the run."""
+    import mlflow
+    from mlflow.artifacts import download_artifacts, load_text
+
+    good, _, _ = runs
+    client = _client(server)
+    mv = client.get_model_version(good.registered.name, good.registered.version)
+    for fact in ("LoRA of builtin:tiny-sd3", "flow_grpo", "reward jpeg_compressibility 1", "3 steps",
+                 f"Held-out reward {good.registered.score:.4g} vs base", f"MLflow run {mv.run_id}"):
+        assert fact in mv.description, (fact, mv.description)
+    mlflow.set_tracking_uri(server[0])
+    mlflow.set_registry_uri(server[0])
+    card = load_text(f"runs:/{mv.run_id}/model_card/README.md")
+    assert "More Information Needed" not in card and "library_name: diffusers" in card
+    assert f"| reward_mean | {good.registered.score:.4g} |" in card and "Training steps: 3" in card
+    assert f'mlflow.pyfunc.load_model("models:/{good.registered.name}@champion")' in card
+    model = Path(download_artifacts(f"models:/{good.registered.name}/{good.registered.version}"))
+    assert (model / "adapter_weights" / "README.md").read_text() == card
+    assert "library_name: peft" in (model / "adapter_weights" / serving.PEFT_SUBDIR / "README.md").read_text()
+
+
 def test_champion_loads_through_pyfunc_and_generates(server, runs):
     import mlflow.pyfunc
     from PIL import Image

@@ -14,12 +14,13 @@ from .signature import model_signature
 
 
 def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, example_prompt: str,
-                   metadata: dict[str, str]):
+                   metadata: dict[str, str], card: str = ""):
     """The LoRA as an ``mlflow.diffusers`` model of the workflow run -> ModelInfo.
 
     MLflow checks the input example by loading the model through pyfunc and generating from it
     (a failure there is logged as a warning): the registered model is known to serve. Its pyfunc
-    refuses requests outside ``request_limits`` (listed in the model's ``request_limits`` metadata)."""
+    refuses requests outside ``request_limits`` (listed in the model's ``request_limits`` metadata).
+    ``card`` (``model_card.render_card``, diffusers layout) is the adapter folder's ``README.md``."""
     import mlflow
     import pandas as pd
     from mlflow.models import Model
@@ -34,6 +35,8 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
     family = adapter_class(base_ref, cfg.model.revision)
     with tempfile.TemporaryDirectory() as tmp:
         adapter = diffusers_adapter_dir(peft_dir, Path(tmp) / "adapter", family.pipeline_class)
+        if card:
+            (adapter / "README.md").write_text(card)
         if family.video:  # mlflow.diffusers serves images only: our pyfunc returns GIFs (video_model.py)
             from .video_model import log_video_lora_model
 

@@ -177,6 +177,8 @@ def version_description(info: dict, results: dict | None, run_id: str) -> str:
         if "eval/num_prompts" in results:
             text += f", {int(results['eval/num_prompts'])} prompts"
         text += "). "
+    elif results and "eval/reward_mean" in results:
+        text += f"Held-out reward {_fmt(results['eval/reward_mean'])} (base not recorded). "
     else:
         text += "Held-out score: not evaluated. "
     return text + f"MLflow run {run_id}."

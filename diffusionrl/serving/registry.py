@@ -5,7 +5,9 @@ A version is registered for every successful run and gets the alias ``candidate`
 ``eval.champion_margin`` on the *same* evaluation (held-out prompts, seeds, steps, guidance,
 reward and base weights, hashed into the ``eval_key`` tag). When the champion was evaluated
 differently, its adapter is re-evaluated on this run's evaluation first; a champion on other base
-weights cannot be compared and is kept. The decision and both scores are recorded as version tags.
+weights cannot be compared and is kept. The decision and both scores are recorded as version tags;
+the version's description says what it is (``model_card.version_description``), and the logged
+adapter's ``README.md`` is its model card.
 
 A version whose MLflow run is ``FAILED`` (its execution failed after registering, or was killed and
 closed for a missing heartbeat: ``tracking.heartbeat``) is never a champion: the decision passes
@@ -58,12 +60,12 @@ class Registration:
 
 
 def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage: dict[str, str],
-             rescore: Callable[[Path], float] | None = None) -> Registration:
+             rescore: Callable[[Path], float] | None = None, description: str = "") -> Registration:
     """Register ``model_info`` as a version (alias candidate) and move ``champion`` only if better.
 
     ``rescore(model_dir) -> score`` re-evaluates another version (its downloaded MLflow model
     folder) on this run's evaluation; it is used when the champion's ``eval_key`` differs from
-    ``key`` (same base weights only).
+    ``key`` (same base weights only). ``description`` becomes the version's description.
     """
     import mlflow
     from mlflow.artifacts import download_artifacts
@@ -79,6 +81,8 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
     base_tags = {**lineage, "eval_score": repr(score), "eval_key": key, "run_id": run.run_id}
     mv = mlflow.register_model(model_info.model_uri, name, tags=base_tags)
     c.set_registered_model_alias(name, CANDIDATE, mv.version)
+    if description:
+        c.update_model_version(name, mv.version, description=description)
 
     champion_score, note = None, ""
     if champion is not None:
@@ -135,16 +139,46 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
     )
 
 
+def lora_info(cfg, lora_dir: str | Path, model_path: str, model_digest: str) -> dict:
+    """What the trainer recorded beside the LoRA (``diffusionrl.json``), completed from the config
+    for a folder written before it recorded the family (the model card's and description's facts)."""
+    import json
+
+    from diffusionrl.models.families import adapter_class
+
+    from .model_card import adapter_facts
+
+    recorded = Path(lora_dir) / "diffusionrl.json"
+    info = json.loads(recorded.read_text()) if recorded.is_file() else {}
+    if not info.get("pipeline_class"):
+        family = adapter_class(model_path or cfg.model.name, cfg.model.revision)
+        info = {**adapter_facts(cfg, family.family, family.pipeline_class), **info}
+    defaults = {"base_model": cfg.model.name, "base_model_revision": cfg.model.revision,
+                "base_model_digest": model_digest, "algorithm": cfg.algorithm.name, "step": cfg.train.steps,
+                "config_digest": cfg.digest(), "registered_model": cfg.tracking.registered_model}
+    return {**defaults, **info}
+
+
 def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, model_digest: str,
-                  test_rows: list[dict], test_digest: str, score: float, lineage: dict[str, str]) -> Registration:
+                  test_rows: list[dict], test_digest: str, score: float, lineage: dict[str, str],
+                  summary: dict[str, float] | None = None) -> Registration:
     """The image workflow's registration: log the LoRA (base weights referenced by hub id, folder or
-    the persistent copy of a builtin model), register it, and re-score a champion evaluated
-    otherwise on this run's held-out prompts (``evaluation.evaluate_lora``)."""
+    the persistent copy of a builtin model) with its model card (``README.md`` of the adapter folder,
+    with the held-out ``summary`` of ``evaluation.evaluate_lora``; also the run's artifact
+    ``model_card/README.md``), register it with a description (base model, objective, reward,
+    steps, held-out score vs base, run id), and re-score a champion evaluated otherwise on this
+    run's held-out prompts."""
     from diffusionrl.evaluation import evaluate_lora
     from diffusionrl.models.fetch import base_model_reference
 
+    from .model_card import DIFFUSERS, render_card, version_description
+
+    facts = lora_info(cfg, lora_dir, model_path, model_digest)
+    results = summary if summary else {"eval/reward_mean": score}
+    card = render_card(facts, results, layout=DIFFUSERS)
     info = log_lora_model(run, cfg, lora_dir, base_model_reference(cfg.model.name, model_path, model_digest),
-                          example_prompt=test_rows[0]["prompt"], metadata=lineage)
+                          example_prompt=test_rows[0]["prompt"], metadata=lineage, card=card)
+    client(run.uri).log_text(run.run_id, card, "model_card/README.md")
 
     def rescore(model_dir: Path) -> float:
         # mlflow.diffusers keeps the adapter in adapter_weights/, the video pyfunc in artifacts/adapter/
@@ -153,7 +187,8 @@ def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, 
         return evaluate_lora(cfg, test_rows, peft_dir, model_path=model_path).summary["eval/reward_mean"]
 
     key = eval_key(cfg, test_digest, model_digest)
-    return register(run, cfg, info, score, key, lineage, rescore=rescore)
+    return register(run, cfg, info, score, key, lineage, rescore=rescore,
+                    description=version_description(facts, results, run.run_id))
 
 
 def version_url(uri: str, name: str, version: str) -> str:
