@@ -67,7 +67,8 @@ def test_recomputed_log_probs_equal_the_rollouts_and_the_split_does_not_change_t
     def grads(micro):
         t = dataclasses.replace(traj, micro_batch_size=micro)
         trainer.optimizer.zero_grad(set_to_none=True)
-        assert trainer.accumulate(objective.units(t, t.micro_batches(), active, np.random.default_rng(0)), UpdateStats())
+        units = objective.units(t, t.micro_batches(), active, np.random.default_rng(0))
+        assert trainer.accumulate(units, UpdateStats())
         out = {n: p.grad.detach().clone() for n, p in loop.backend.worker.policy.params.items()}
         trainer.optimizer.zero_grad(set_to_none=True)
         return out
