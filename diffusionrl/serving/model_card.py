@@ -131,7 +131,8 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
         f"({'peft format' if layout == PEFT else 'diffusers format, with the peft copy under peft/'}).", "",
         "## What it is", "",
         f"- Base model: `{base}`" + (f" at revision `{revision}`" if revision else " (default revision)"),
-        f"- Base weights digest (SHA-256 of the model folder): `{info.get('base_model_digest', 'not recorded')}`",
+        f"- Base weights digest (SHA-256 of the loaded weights' tensors, every component; not the file digest "
+        f"a registered version's `base_model_digest` tag holds): `{info.get('base_model_digest', 'not recorded')}`",
     ]
     if family or info.get("pipeline_class"):
         what.append(f"- Family: {family or '?'} (`{info.get('pipeline_class') or '?'}`)")
