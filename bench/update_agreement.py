@@ -27,23 +27,21 @@ import _common  # sets sys.path and offline env
 import torch
 
 from diffusionrl.config import load_config
+from diffusionrl.rollout.sglang.weight_sync import LoraLayer, lora_layers
 from diffusionrl.train import build_loop
 
 
-def lora_delta(state: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
-    """The LoRA's weight change ``scale * B @ A`` of every module, flattened and concatenated."""
-    parts = []
-    for name in sorted(k for k in state if "lora_A" in k):
-        b = state[name.replace("lora_A", "lora_B")].float()
-        parts.append((scale * b @ state[name].float()).flatten())
-    return torch.cat(parts)
+def lora_delta(layers: list[LoraLayer], state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The LoRA's weight change ``scaling * B @ A`` of every layer (as the SGLang weight sync merges
+    it), flattened and concatenated."""
+    return torch.cat([(layer.scaling * state[layer.b_key].float() @ state[layer.a_key].float()).flatten()
+                      for layer in layers])
 
 
 def train_from(preset: str, seed: int, steps: int, overrides: list[str], init: dict | None):
     extra = [f"train.seed={seed}", f"train.steps={steps}", "eval.every=0", "train.checkpoint_every=0",
              "train.log_images_every=0"]
     cfg = load_config(preset, overrides=overrides + extra)
-    scale = cfg.model.lora_alpha / cfg.model.lora_rank
     with tempfile.TemporaryDirectory() as tmp:
         loop = build_loop(cfg, tmp, progress=False)
         worker = loop.backend.worker
@@ -62,9 +60,10 @@ def train_from(preset: str, seed: int, steps: int, overrides: list[str], init: d
             rewards.append(round(loop.history[-1]["rollout/reward/raw_mean"], 4))
         wall = time.perf_counter() - t0
         final = policy.lora_state()
+        layers = lora_layers(policy.model)
         loop.close()
     samples = cfg.train.prompts_per_step * cfg.train.group_size
-    return start, lora_delta(final, scale) - lora_delta(start, scale), samples, rewards, wall
+    return start, lora_delta(layers, final) - lora_delta(layers, start), samples, rewards, wall
 
 
 def main() -> None:

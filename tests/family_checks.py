@@ -1,5 +1,6 @@
 """The exactness checks every model family passes (docs/algorithms.md section 11), shared by
-``test_flux.py``, ``test_qwen_image.py`` and ``test_wan.py`` over a loop of the family's tiny preset."""
+``test_flux.py``, ``test_qwen_image.py``, ``test_wan.py`` (over a loop of the family's tiny preset) and
+``test_same_latent.py``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@ through their SDE steps; recompute exactness and micro-batch invariance hold; ev
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,9 +11,9 @@ from diffusionrl.evaluation import eval_spec
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.batch import RolloutBatch
 from diffusionrl.train import build_loop
-from diffusionrl.training.trainer import UpdateStats
 
 from .conftest import tiny_config
+from .family_checks import recompute_diff, split_rel_diff
 
 
 @pytest.fixture(scope="module")
@@ -55,26 +54,8 @@ def test_the_latent_seed_is_the_groups_first_seed_whatever_the_micro_batches():
 
 
 def test_recomputed_log_probs_equal_the_rollouts_and_the_split_does_not_change_the_gradient(loop, scored):
-    traj, active = scored
-    objective, trainer = loop.backend.worker.objective, loop.backend.worker.trainer
-    probe = {"open": True}
-    units = objective.units(traj, traj.micro_batches(), torch.ones_like(active), np.random.default_rng(0), probe)
-    with torch.no_grad():
-        for unit in units:
-            unit.compute()
-    assert probe["count"] == int(traj.sde_mask.sum()) and probe["sum"] / probe["count"] <= 1e-6
-
-    def grads(micro):
-        t = dataclasses.replace(traj, micro_batch_size=micro)
-        trainer.optimizer.zero_grad(set_to_none=True)
-        units = objective.units(t, t.micro_batches(), active, np.random.default_rng(0))
-        assert trainer.accumulate(units, UpdateStats())
-        out = {n: p.grad.detach().clone() for n, p in loop.backend.worker.policy.params.items()}
-        trainer.optimizer.zero_grad(set_to_none=True)
-        return out
-
-    one, many = grads(8), grads(2)
-    assert max(float((one[n] - many[n]).norm()) for n in one) <= 1e-5 * max(float(one[n].norm()) for n in one)
+    assert recompute_diff(loop, scored[0]) <= 1e-6
+    assert split_rel_diff(loop, *scored) <= 1e-5
 
 
 def test_same_latent_is_refused_where_it_cannot_mean_anything():

@@ -79,11 +79,12 @@ class LocalRolloutEngine:
         latents, log_probs, images = [], [], []
         micro = batch.micro_batch_size
         chunks = range(0, batch.size, micro)
+        latent_seeds = batch.latent_seeds
         for start in tqdm(chunks, desc="rollout", disable=not self.progress, leave=False):
             sl = slice(start, start + micro)
             mask = batch.sde_mask[sl]
             lat, lp = self._sample_chunk(cond.select(sl), batch.seeds[sl], mask, sigmas, timesteps, spec,
-                                         batch.latent_seeds[sl])
+                                         latent_seeds[sl])
             latents.append(lat)
             log_probs.append(lp)
             if spec.keep_images:
