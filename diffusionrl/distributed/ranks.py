@@ -16,7 +16,6 @@ checkpoints. Per step:
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -128,7 +127,7 @@ class RankGroup:
     def save_lora(self, out_dir: Path, info: dict[str, Any]) -> tuple[Path, dict[str, Path]]:
         from safetensors.torch import save_file
 
-        from diffusionrl.serving.model_card import adapter_facts, write_card
+        from diffusionrl.serving.model_card import adapter_facts, describe_folder
 
         peft_config = self._all("peft_config")[0]
         rank0 = self.infos[0]
@@ -138,8 +137,7 @@ class RankGroup:
             folder.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(folder / "adapter_model.safetensors"))
             peft_config.save_pretrained(str(folder))
-            (folder / "diffusionrl.json").write_text(json.dumps({**info, **extra}, indent=1))
-            write_card(folder, {**info, **extra})
+            describe_folder(folder, {**info, **extra})
             return folder
 
         out = write(out_dir / "lora", self._all("peft_state")[0], {})

@@ -209,3 +209,9 @@ def write_card(folder: str | Path, info: dict, results: dict | None = None, layo
     card = folder / "README.md"
     card.write_text(render_card(info, results, layout))
     return card
+
+
+def describe_folder(folder: str | Path, info: dict) -> Path:
+    """What the trainer writes beside a saved peft adapter: ``diffusionrl.json`` (``info``) and the card."""
+    (Path(folder) / "diffusionrl.json").write_text(json.dumps(info, indent=1))
+    return write_card(folder, info)

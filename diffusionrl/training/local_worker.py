@@ -8,7 +8,6 @@ over trainer ranks in Ray actors).
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -101,13 +100,12 @@ class LocalPolicyWorker:
     def save_lora(self, out_dir: Path, info: dict[str, Any]) -> tuple[Path, dict[str, Path]]:
         """The trained adapter in peft format (``adapter_model.safetensors``), and its EMA, each with
         its model card (``serving.model_card``) in place of peft's empty template."""
-        from diffusionrl.serving.model_card import adapter_facts, write_card
+        from diffusionrl.serving.model_card import adapter_facts, describe_folder
 
         info = {**info, **adapter_facts(self.cfg, self.adapter.family, self.adapter.pipeline_class)}
         out = out_dir / "lora"
         self.policy.model.save_pretrained(str(out))
-        (out / "diffusionrl.json").write_text(json.dumps(info, indent=1))
-        write_card(out, info)
+        describe_folder(out, info)
         extra = {}
         if self.trainer.ema is not None:
             ema_dir = out_dir / "lora_ema"
@@ -117,9 +115,7 @@ class LocalPolicyWorker:
                 self.policy.model.save_pretrained(str(ema_dir))
             finally:
                 self.policy.load_lora_state(live)
-            ema_info = {**info, "ema_decay": self.cfg.train.ema_decay}
-            (ema_dir / "diffusionrl.json").write_text(json.dumps(ema_info, indent=1))
-            write_card(ema_dir, ema_info)
+            describe_folder(ema_dir, {**info, "ema_decay": self.cfg.train.ema_decay})
             extra["ema"] = ema_dir
         return out, extra
 
