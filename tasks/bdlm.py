@@ -73,11 +73,12 @@ def on_bdlm_failure(config: BDLMConfig, overrides: list[str], checkpoint_dir: st
 def start_bdlm_run(config: BDLMConfig) -> TrackingRun:
     """Preflight the MLflow store (fails fast, naming the URI) and open this execution's run."""
     load_secrets(MLFLOW)
-    from diffusionrl.bdlm import OBJECTIVE
+    from diffusionrl.bdlm.objectives import OBJECTIVES
     from diffusionrl.tracking import resolve_uri, start_workflow_run
 
     require_shared_store(resolve_uri(config.tracking.uri))
-    return start_workflow_run(config, execution_tags(), {"algorithm": OBJECTIVE, "task": config.task.kind})
+    return start_workflow_run(config, execution_tags(),
+                              {"algorithm": OBJECTIVES[config.grpo.objective], "task": config.task.kind})
 
 
 class DigitSplits(NamedTuple):

@@ -8,12 +8,16 @@ Stages (what a workflow calls)::
     metrics = evaluate(cfg, result.model_dir)                     # {"eval/exact_match": ...}
 
 Components: ``decode`` (sampler with trace), ``TraceBatch`` + Parquet (``trace``),
-``replay_log_probs`` (exact replay), ``TraceGRPO`` (objective), model adapters (``load_bdlm``).
+``replay_log_probs`` (exact replay), ``TraceGRPO`` (grpo / dapo / dr_grpo / opd), model adapters
+(``load_bdlm``: the built-in tiny model, Hugging Face masked LMs, DiffusionGemma through the stock
+``DiffusionGemmaPipeline`` with a recorded ``gemma_rollout.CanvasTrace``, imported on use: it
+needs diffusers).
 """
 
 from .backend import BDLMBackend, train_grpo
 from .config import BDLMConfig, load_bdlm_config
 from .evaluation import compare, decode_examples, eval_key, evaluate, evaluate_adapter
+from .gemma import DiffusionGemmaAdapter
 from .grpo import OBJECTIVE, OldPolicy, TraceGRPO, categorical_kl, grpo_token_terms
 from .model import (
     VOCAB,
@@ -35,6 +39,7 @@ __all__ = [
     "VOCAB",
     "BDLMConfig",
     "BDLMBackend",
+    "DiffusionGemmaAdapter",
     "Decoded",
     "HFMaskedLMAdapter",
     "OldPolicy",

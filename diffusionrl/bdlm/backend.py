@@ -17,15 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffusionrl.algorithms.advantages import group_advantages
 from diffusionrl.run import RUN_CONTROL_KEYS, Callback, CheckpointState, RunLoop, RunResult, Schedule
 
 from . import trace as trace_store
 from .config import BDLMConfig
 from .evaluation import decode_examples
-from .grpo import OBJECTIVE, TraceGRPO
+from .grpo import TraceGRPO
 from .model import RUN_INFO, frozen_copy, load_bdlm, weights_digest
-from .task import Example, make_splits, score
+from .objectives import OBJECTIVES, advantages_for
+from .task import Example, encode_prompts, make_splits, score
 from .trace import TraceBatch
 
 # Config keys a resumed GRPO run may change (``run.loop.RUN_CONTROL_KEYS`` and these): how long to
@@ -48,18 +48,34 @@ class BDLMBackend:
         self.init_digest = weights_digest(self.live)
         self.reference = frozen_copy(self.live) if cfg.grpo.kl_beta > 0 else None
         gc = cfg.grpo
+        self.teacher = frozen_copy(load_bdlm(gc.teacher, cfg.model)) if gc.objective == "opd" else None
+        if self.teacher is not None and getattr(self.teacher, "kind", "") != getattr(self.live, "kind", ""):
+            raise ValueError(f"grpo.teacher={gc.teacher} is a {self.teacher.kind} model, the student a "
+                             f"{self.live.kind}: the teacher scores the student's own canvases; the kinds must match")
+        self.gemma = getattr(self.live, "kind", "") == "diffusiongemma"
+        if self.gemma:
+            from .gemma_rollout import check_replayable
+
+            check_replayable(cfg.model, self.live)  # fail before training, naming the option
+            self.live.check_digit_vocab()
+            if gc.save_traces:
+                raise ValueError("grpo.save_traces=true: DiffusionGemma traces have no Parquet form yet; set "
+                                 "grpo.save_traces=false")
         self.optimizer = torch.optim.AdamW(self.live.module.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
-        self.objective = TraceGRPO(gc, self.live, self.reference)
+        self.objective = TraceGRPO(gc, self.live, self.reference, self.teacher)
 
     def metadata(self) -> dict[str, Any]:
         """What a checkpoint must agree on to be resumed: objective, model, initial weights, task."""
-        return {
-            "objective": OBJECTIVE,
+        meta = {
+            "objective": OBJECTIVES[self.cfg.grpo.objective],
             "model": self.cfg.model.name,
             "init_weights_digest": self.init_digest,
             "task": {"kind": self.cfg.task.kind, "min_len": self.cfg.task.min_len, "max_len": self.cfg.task.max_len},
             "trace_schema_version": trace_store.SCHEMA_VERSION,
         }
+        if self.teacher is not None:
+            meta["teacher_weights_digest"] = weights_digest(self.teacher)
+        return meta
 
     # -- one step --------------------------------------------------------------------------------
     def sample_batch(self, step: int) -> tuple[list[Example], torch.Tensor, torch.Tensor]:
@@ -76,6 +92,16 @@ class BDLMBackend:
     def rollout(self, step: int) -> tuple[TraceBatch, list[Example]]:
         examples, group_ids, seeds = self.sample_batch(step)
         mb = self.cfg.grpo.micro_batch_size
+        if self.gemma:  # the stock DiffusionGemmaPipeline, recorded (gemma_rollout)
+            from dataclasses import replace
+
+            from .gemma_rollout import rollout
+
+            vocab = self.live.vocab
+            texts = [vocab.decode(r) for r in encode_prompts(examples, self.cfg.task.prompt_length, vocab)]
+            trace = rollout(self.live, self.cfg.model, texts, seeds, mb, group_ids)
+            meta = [{"prompt": ex.prompt, "answer": ex.answer} for ex in examples]
+            return replace(trace, policy_version=step, metadata=meta), examples
         prompts, tokens, steps, log_probs = decode_examples(self.cfg, self.live, examples, seeds, mb)
         trace = TraceBatch(
             targets=tokens, action_steps=steps, loss_weights=(steps >= 0).float(), log_probs=log_probs,
@@ -89,7 +115,8 @@ class BDLMBackend:
         gc = self.cfg.grpo
         s = score(trace.targets[:, trace.prompt_length :], examples, self.cfg.task.partial_weight, trace.vocab)
         rewards = torch.as_tensor(s["reward"])
-        adv = group_advantages(rewards, trace.group_ids, global_std=gc.global_std, clip_max=gc.adv_clip_max)
+        adv = advantages_for(gc.objective, rewards, trace.group_ids, global_std=gc.global_std,
+                             clip_max=gc.adv_clip_max)
         parts = {"exact": torch.as_tensor(s["exact"]), "partial": torch.as_tensor(s["partial"])}
         r = s["reward"]
         metrics = {
@@ -136,7 +163,8 @@ class BDLMBackend:
 
     def save_outputs(self, step: int) -> tuple[Path, dict[str, Path]]:
         model_dir = self.live.save(self.out_dir / "model")
-        info = {"stage": "grpo", "objective": OBJECTIVE, "step": step, "init_dir": self.init_dir,
+        info = {"stage": "grpo", "objective": OBJECTIVES[self.cfg.grpo.objective], "step": step,
+                "init_dir": self.init_dir,
                 "init_weights_digest": self.init_digest, "config_digest": self.cfg.digest(),
                 "weights_digest": weights_digest(self.live)}
         (model_dir / RUN_INFO).write_text(json.dumps(info, indent=1))

@@ -25,24 +25,35 @@ from diffusionrl.config import (
 )
 
 TASK_KINDS = ("reverse", "sort", "add")
+OBJECTIVE_NAMES = ("grpo", "dapo", "dr_grpo", "opd")
 
 
 @dataclass
 class BDLMModelConfig:
-    name: str = option("builtin:tiny-bdlm", "Model: 'builtin:tiny-bdlm' (built in code) or a saved model folder")
+    name: str = option("builtin:tiny-bdlm", "Model: 'builtin:tiny-bdlm' or 'builtin:tiny-diffusiongemma' (built in "
+                       "code), a saved model folder, or a DiffusionGemma hub id")
+    revision: str = option("", "Hub revision (branch, tag or commit) of a hub model; empty for the default branch")
     dim: int = option(96, "builtin: hidden size")
     layers: int = option(3, "builtin: transformer blocks")
     heads: int = option(4, "builtin: attention heads (must divide dim)")
     ff_dim: int = option(256, "builtin: feed-forward hidden size")
     max_length: int = option(32, "builtin: longest canvas (prompt region + gen_length) the position table holds")
     init_seed: int = option(0, "builtin: seed of the random initial weights")
+    num_experts: int = option(0, "builtin:tiny-diffusiongemma: MoE experts per layer (0: dense MLP only)")
     gen_length: int = option(8, "Generated tokens per sample (answer + EOS + EOS padding)")
     block_size: int = option(4, "Semi-autoregressive block: positions decoded before the next block opens")
     temperature: float = option(1.0, "Rollout proposal temperature T in softmax(logits / T)")
     threshold: float = option(0.9, "Commit every position whose confidence (max prob) >= threshold")
+    steps_per_block: int = option(4, "DiffusionGemma: denoising steps per canvas (the pipeline's num_inference_steps)")
+    editing_threshold: float = option(
+        0.0, "DiffusionGemma: re-sample an already committed token when the new one's prob > this (0: no editing)")
+    confidence_threshold: float = option(
+        0.0, "DiffusionGemma: the pipeline's adaptive early stop (0: off; the replay does not cover it)")
+    scheduler: str = option("block_refinement", "DiffusionGemma: the pipeline's scheduler (block_refinement; "
+                            "discrete_ddim and entropy_bound are not replayable)")
 
     def __post_init__(self) -> None:
-        for name in ("dim", "layers", "heads", "ff_dim", "max_length", "gen_length", "block_size"):
+        for name in ("dim", "layers", "heads", "ff_dim", "max_length", "gen_length", "block_size", "steps_per_block"):
             check_positive("model", name, getattr(self, name))
         check_positive("model", "temperature", self.temperature)
         if self.dim % self.heads:
@@ -103,12 +114,18 @@ class WarmStartConfig:
 
 @dataclass
 class GRPOConfig:
+    objective: str = option("grpo", "grpo | dapo (clip-higher, dynamic sampling) | dr_grpo (no std or length "
+                            "normalisation) | opd (on-policy distillation from grpo.teacher); docs/bdlm.md")
     steps: int = option(60, "RL steps (rollout + update)")
     prompts_per_step: int = option(16, "Distinct prompts (groups) per step")
     group_size: int = option(8, "Samples per prompt k")
     micro_batch_size: int = option(32, "Rows per forward; rollout and replay use the same composition")
     inner_iterations: int = option(2, "Optimizer steps per rollout batch (old policy = start-of-step snapshot)")
     clip_range: float = option(0.2, "PPO ratio clip epsilon (per-token log-probs, hence the usual 0.2)")
+    clip_range_high: float = option(0.0, "dapo: upper clip epsilon (clip-higher, e.g. 0.28); 0 uses clip_range")
+    teacher: str = option("", "opd: the teacher's model folder (same model kind as the student; never updated)")
+    opd_temperature: float = option(1.0, "opd: distillation temperature tau of the forward KL (scaled by tau^2)")
+    opd_hard_ce: float = option(0.0, "opd: weight of the hard CE on the teacher's argmax token (0: KL only)")
     kl_beta: float = option(0.01, "Weight of the exact categorical KL to the reference (0 skips the reference pass)")
     adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
     global_std: bool = option(False, "Normalise advantages by the batch std instead of the group std")
@@ -124,7 +141,13 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "inner_iterations"):
             check_positive("grpo", name, getattr(self, name))
+        check_choice("grpo", "objective", self.objective, OBJECTIVE_NAMES)
         check_positive("grpo", "clip_range", self.clip_range)
+        check_positive("grpo", "clip_range_high", self.clip_range_high, allow_zero=True)
+        check_positive("grpo", "opd_temperature", self.opd_temperature)
+        check_positive("grpo", "opd_hard_ce", self.opd_hard_ce, allow_zero=True)
+        if self.objective == "opd" and not self.teacher:
+            raise ConfigError("grpo.objective=opd needs grpo.teacher: a model folder (e.g. a longer warm start)")
         check_positive("grpo", "kl_beta", self.kl_beta, allow_zero=True)
         check_positive("grpo", "adv_clip_max", self.adv_clip_max)
         check_positive("grpo", "lr", self.lr)
@@ -134,7 +157,7 @@ class GRPOConfig:
                 "grpo.sequence_packing=true is not supported: trace replay re-masks whole rows by commit "
                 "step, so a row must hold exactly one sequence; set grpo.sequence_packing=false"
             )
-        if self.group_size < 2:
+        if self.group_size < 2 and self.objective != "opd":
             raise ConfigError(
                 f"grpo.group_size={self.group_size}: GRPO needs >= 2 samples per prompt for a group baseline"
             )

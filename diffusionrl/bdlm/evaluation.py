@@ -45,7 +45,13 @@ def eval_examples(cfg: BDLMConfig, split: str = "test") -> list[Example]:
 
 
 def decode_greedy(cfg: BDLMConfig, adapter: BDLMAdapter, examples: list[Example]) -> torch.Tensor:
-    """Greedy (evaluation) decoding of ``examples`` -> generated ids ``[B, G]``."""
+    """Greedy (evaluation) decoding of ``examples`` -> generated ids ``[B, G]`` (DiffusionGemma:
+    through the stock pipeline, ``gemma_rollout.decode_greedy``)."""
+    if getattr(adapter, "kind", "") == "diffusiongemma":
+        from .gemma_rollout import decode_greedy as gemma_greedy
+
+        texts = [adapter.vocab.decode(r) for r in encode_prompts(examples, cfg.task.prompt_length, adapter.vocab)]
+        return gemma_greedy(adapter, cfg.model, texts, cfg.eval.batch_size, cfg.eval.threshold)
     _, tokens, _, _ = decode_examples(cfg, adapter, examples, None, cfg.eval.batch_size, cfg.eval.threshold)
     return tokens[:, cfg.task.prompt_length :]
 

@@ -1,4 +1,7 @@
-"""GRPO on exact decoding traces: the objective, the old-policy snapshot and the update step.
+"""GRPO and its family (``objectives``: dapo, dr_grpo, opd) on exact decoding traces: the
+objective, the old-policy snapshot and the update step. A trace is anything with the learner
+interface (``micro_batches``, ``unit_keys``, ``unit_mask``, ``score_unit``, ``log_probs``,
+``loss_weights``): the built-in sampler's ``TraceBatch`` or DiffusionGemma's ``CanvasTrace``.
 
 Policy choice: the tiny model is **fully fine-tuned**; the reference is a frozen copy of the
 initial weights (``frozen_copy``), which costs one extra copy of a 0.3 M-parameter model. A LoRA
@@ -30,12 +33,15 @@ import torch
 from diffusionrl.training.trainer import Unit, UpdateStats
 
 from .model import BDLMAdapter, frozen_copy
-from .replay import replay_log_probs, replay_rows, steps_with_actions
+from .objectives import OBJECTIVES, categorical_kl, clipped_surrogate, distillation_terms, entropy, reduce_metrics
+from .replay import replay_log_probs
 from .trace import TraceBatch
+
+__all__ = ["OBJECTIVE", "OldPolicy", "TraceGRPO", "categorical_kl", "grpo_token_terms"]
 
 log = logging.getLogger(__name__)
 
-OBJECTIVE = "bdlm_grpo_exact_trace"
+OBJECTIVE = OBJECTIVES["grpo"]  # the default objective's checkpoint name
 
 
 @dataclass
@@ -47,25 +53,13 @@ class TokenTerms:
 
 
 def grpo_token_terms(log_prob_new: torch.Tensor, log_prob_old: torch.Tensor, advantages: torch.Tensor,
-                     kl: torch.Tensor, *, clip_range: float, kl_beta: float) -> TokenTerms:
-    """Clipped surrogate plus ``kl_beta * kl`` per token (all arguments broadcast together)."""
-    ratio = torch.exp(log_prob_new - log_prob_old)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped)
+                     kl: torch.Tensor, *, clip_range: float, kl_beta: float,
+                     clip_range_high: float | None = None) -> TokenTerms:
+    """Clipped surrogate (``[1 - clip_range, 1 + clip_range_high]``, symmetric by default) plus
+    ``kl_beta * kl`` per token (all arguments broadcast together)."""
+    high = clip_range if clip_range_high is None else clip_range_high
+    policy_loss, ratio = clipped_surrogate(log_prob_new, log_prob_old, advantages, clip_low=clip_range, clip_high=high)
     return TokenTerms(policy_loss + kl_beta * kl, policy_loss, kl, ratio)
-
-
-def categorical_kl(log_p: torch.Tensor, log_q: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """``[B, L]`` exact ``KL(p || q)`` of each position's proposal distribution over ``V``.
-
-    The MASK column is -inf in both (never proposed) and is dropped rather than computed as
-    ``0 * (-inf - -inf)``, which would be nan.
-    """
-    keep = torch.ones(log_p.shape[-1], dtype=torch.bool)
-    keep[mask_id] = False
-    lp, lq = log_p[..., keep], log_q[..., keep]  # [B, L, V-1]
-    return (lp.exp() * (lp - lq)).sum(-1)
 
 
 class OldPolicy:
@@ -87,13 +81,13 @@ class OldPolicy:
 
 
 def apply_units(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], units: list[Unit],
-                stats: UpdateStats, max_grad_norm: float) -> bool:
+                stats: UpdateStats, max_grad_norm: float, denominator: float | None = None) -> bool:
     """Backward ``sum(loss) / total weight`` of all units, clip, one optimizer step.
 
     Returns False (weights untouched, skip counted) when a loss or the gradient norm is not finite.
     """
     optimizer.zero_grad(set_to_none=True)
-    if not units or not accumulate(units, stats):
+    if not units or not accumulate(units, stats, denominator):
         if units:
             log.warning("non-finite loss: optimizer step skipped")
             stats.skipped += 1
@@ -112,9 +106,10 @@ def apply_units(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramete
     return True
 
 
-def accumulate(units: list[Unit], stats: UpdateStats) -> bool:
-    """Backward every unit's loss sum divided by the total weight of all units (no step)."""
-    total = sum(u.count for u in units)
+def accumulate(units: list[Unit], stats: UpdateStats, denominator: float | None = None) -> bool:
+    """Backward every unit's loss sum divided by ``denominator`` (default: the total weight of all
+    units; ``dr_grpo`` passes a constant) (no step)."""
+    total = denominator or sum(u.count for u in units)
     for unit in units:
         loss_sum, unit_stats = unit.compute()
         if not torch.isfinite(loss_sum):
@@ -126,77 +121,106 @@ def accumulate(units: list[Unit], stats: UpdateStats) -> bool:
 
 
 class TraceGRPO:
-    """The objective: work units of a trace, scored by live, reference and old policies."""
+    """The objective (``cfg.objective``: grpo | dapo | dr_grpo | opd): work units of a trace,
+    scored by the live, reference, old and (opd) teacher policies."""
 
-    name = OBJECTIVE
-
-    def __init__(self, cfg, live: BDLMAdapter, reference: BDLMAdapter | None):
+    def __init__(self, cfg, live: BDLMAdapter, reference: BDLMAdapter | None, teacher: BDLMAdapter | None = None):
         self.cfg = cfg  # a GRPOConfig
+        self.objective = cfg.objective
+        self.name = OBJECTIVES[cfg.objective]
         self.live = live
         self.reference = reference
+        self.teacher = teacher
         if cfg.kl_beta > 0 and reference is None:
             raise ValueError("grpo.kl_beta > 0 needs a reference model; pass one or set kl_beta=0")
+        if self.objective == "opd" and teacher is None:
+            raise ValueError("grpo.objective=opd needs a teacher model (grpo.teacher: a model folder)")
+        if teacher is not None and any(p.requires_grad for p in teacher.module.parameters()):
+            raise ValueError("the teacher must be frozen (frozen_copy): it is never updated")
+        self.clip_high = (cfg.clip_range_high or cfg.clip_range) if self.objective == "dapo" else cfg.clip_range
 
-    def units(self, trace: TraceBatch, old_log_probs: torch.Tensor, weights: torch.Tensor) -> list[Unit]:
-        """One unit per (micro-batch, step with a weighted action); ``weights`` is ``[B, L]``."""
-        if trace.advantages is None:
+    def units(self, trace, old_log_probs: torch.Tensor, weights: torch.Tensor) -> list[Unit]:
+        """One unit per (micro-batch, replay unit with a weighted action); ``weights`` is ``[B, A]``."""
+        if trace.advantages is None and self.objective != "opd":
             raise ValueError("the trace has no advantages: score it (with_rewards) before training on it")
         units = []
         for rows in trace.micro_batches(self.cfg.micro_batch_size):
-            steps = trace.action_steps[rows]
-            for step in steps_with_actions(steps):
-                w = torch.where(steps == step, weights[rows], torch.zeros(()))  # [m, L]
+            for key in trace.unit_keys(rows):
+                w = torch.where(trace.unit_mask(rows, key), weights[rows], torch.zeros(()))  # [m, A]
                 if float(w.sum()) > 0:
-                    units.append(Unit(float(w.sum()), self._make(trace, rows, step, w, old_log_probs[rows])))
+                    units.append(Unit(float(w.sum()), self._make(trace, rows, key, w, old_log_probs[rows])))
         return units
 
-    def _make(self, trace: TraceBatch, rows: slice, step: int, w: torch.Tensor, old: torch.Tensor):
+    def _score(self, adapter, trace, rows, key, grad: bool):
+        with torch.set_grad_enabled(grad):
+            return trace.score_unit(adapter, rows, key)
+
+    def _make(self, trace, rows: slice, key: int, w: torch.Tensor, old: torch.Tensor):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             cfg = self.cfg
-            new = replay_rows(self.live, trace, rows, step)
+            new = self._score(self.live, trace, rows, key, True)
+            wc, oc = w[:, new.cols], old[:, new.cols]  # [m, K]
             kl = torch.zeros_like(new.token_log_probs)
             if cfg.kl_beta > 0:
-                with torch.no_grad():
-                    ref = replay_rows(self.reference, trace, rows, step)
-                kl = categorical_kl(new.log_probs, ref.log_probs, trace.vocab.mask)  # [m, L]
-            adv = trace.advantages[rows, None]  # [m, 1]
-            terms = grpo_token_terms(new.token_log_probs, old, adv, kl, clip_range=cfg.clip_range, kl_beta=cfg.kl_beta)
-            on = w > 0
+                ref = self._score(self.reference, trace, rows, key, False)
+                kl = categorical_kl(new.log_probs, ref.log_probs, trace.excluded_token)  # [m, K]
+            extra = {}
+            if self.objective == "opd":
+                teach = self._score(self.teacher, trace, rows, key, False)
+                policy_loss, dkl = distillation_terms(new.log_probs, teach.log_probs,
+                                                      rollout_temperature=trace.temperature, tau=cfg.opd_temperature,
+                                                      hard_ce=cfg.opd_hard_ce, excluded=trace.excluded_token)
+                ratio = torch.exp(new.token_log_probs - oc)
+                extra["distill_kl"] = dkl.detach()
+            else:
+                adv = trace.advantages[rows, None]  # [m, 1]
+                policy_loss, ratio = clipped_surrogate(new.token_log_probs, oc, adv, clip_low=cfg.clip_range,
+                                                       clip_high=self.clip_high)
+            loss = policy_loss + cfg.kl_beta * kl
+            on = wc > 0
             zero = torch.zeros(())
 
             def wsum(x: torch.Tensor) -> torch.Tensor:  # weighted sum over active tokens, nan-proof
-                return torch.where(on, x * w, zero).sum()
+                return torch.where(on, x * wc, zero).sum()
 
             with torch.no_grad():
-                diff = new.token_log_probs.detach() - old
-                stats = {
-                    "loss": wsum(terms.loss.detach()),
-                    "policy_loss": wsum(terms.policy_loss.detach()),
-                    "kl_loss": wsum(terms.kl.detach()),
-                    "approx_kl": wsum(0.5 * diff**2),
-                    "clipfrac": wsum(((terms.ratio.detach() - 1).abs() > cfg.clip_range).float()),
-                    "ratio_abs_minus_1": wsum((terms.ratio.detach() - 1).abs()),
-                }
-            return wsum(terms.loss), stats
+                diff = new.token_log_probs.detach() - oc
+                r = ratio.detach()
+                outside = (r < 1 - cfg.clip_range) | (r > 1 + self.clip_high)
+                stats = {"loss": wsum(loss.detach()), "policy_loss": wsum(policy_loss.detach()),
+                         "kl_loss": wsum(kl.detach()), "approx_kl": wsum(0.5 * diff**2),
+                         "clipfrac": wsum(outside.float()), "ratio_abs_minus_1": wsum((r - 1).abs()),
+                         "entropy": wsum(entropy(new.log_probs.detach()))}
+                stats.update({k: wsum(v) for k, v in extra.items()})
+            return wsum(loss), stats
 
         return compute
 
-    def train_step(self, optimizer: torch.optim.Optimizer, trace: TraceBatch, active: torch.Tensor) -> dict[str, float]:
-        """``inner_iterations`` optimizer steps on one scored trace; ``active`` ``[B]`` drops
-        zero-std groups. Returns ``train/*`` metrics (``first_*``: before any update)."""
+    def denominator(self, trace) -> float | None:
+        """``dr_grpo``: the constant ``B * G`` (no length normalisation); others: the step's weight."""
+        return float(trace.batch_size * trace.generation_length) if self.objective == "dr_grpo" else None
+
+    def train_step(self, optimizer: torch.optim.Optimizer, trace, active: torch.Tensor) -> dict[str, float]:
+        """``inner_iterations`` optimizer steps on one scored trace; ``active`` ``[B]`` drops rows
+        (zero-variance groups for grpo/dapo). Returns ``train/*`` metrics (``first_*``: before any
+        update), token metrics weighted globally, per-optimizer-step ones averaged."""
         cfg = self.cfg
-        old = OldPolicy(self.live).scores(trace, cfg.micro_batch_size)  # [B, L] start-of-step snapshot
-        weights = trace.loss_weights * active[:, None].float()  # [B, L]
+        old = OldPolicy(self.live).scores(trace, cfg.micro_batch_size)  # [B, A] start-of-step snapshot
+        weights = trace.loss_weights * active[:, None].float()  # [B, A]
         params = [p for p in self.live.module.parameters() if p.requires_grad]
         stats, first = UpdateStats(), UpdateStats()
         for it in range(cfg.inner_iterations):
             units = self.units(trace, old, weights)
-            apply_units(optimizer, params, units, first if it == 0 else stats, cfg.max_grad_norm)
+            apply_units(optimizer, params, units, first if it == 0 else stats, cfg.max_grad_norm,
+                        self.denominator(trace))
             if it == 0:
                 _merge(stats, first)
-        metrics = stats.means()
-        metrics.update({k.replace("train/", "train/first_"): v for k, v in first.means().items()
-                        if k in ("train/approx_kl", "train/ratio_abs_minus_1")})
+        metrics = reduce_metrics({f"train/{k}": [(stats.sums[k], stats.counts[k])] for k in stats.sums},
+                                 {"train/grad_norm": stats.grad_norms})
+        metrics.setdefault("train/grad_norm", 0.0)
+        metrics.update({"train/skipped_updates": float(stats.skipped), "train/optimizer_steps": float(stats.steps)})
+        metrics.update({f"train/first_{k}": first.sums[k] / first.counts[k] for k in ("approx_kl", "ratio_abs_minus_1")
+                        if first.counts.get(k)})
         committed = trace.action_steps >= 0
         if bool(committed.any()):
             metrics["train/log_prob_mean_abs_diff"] = float((old - trace.log_probs)[committed].abs().mean())

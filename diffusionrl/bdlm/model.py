@@ -187,12 +187,18 @@ class HFMaskedLMAdapter:
 
 
 def load_bdlm(name_or_dir: str | Path, model_cfg=None) -> BDLMAdapter:
-    """``builtin:tiny-bdlm`` (needs ``model_cfg``) or a folder written by ``adapter.save``."""
-    if str(name_or_dir) == "builtin:tiny-bdlm":
+    """``builtin:tiny-bdlm`` / ``builtin:tiny-diffusiongemma`` (need ``model_cfg``), a folder written
+    by ``adapter.save``, or a DiffusionGemma hub id (at ``model_cfg.revision``, with ``$HF_TOKEN``)."""
+    from . import gemma
+
+    if str(name_or_dir) in ("builtin:tiny-bdlm", gemma.BUILTIN):
         if model_cfg is None:
-            raise ValueError("builtin:tiny-bdlm needs the model config (dimensions, init_seed)")
-        return build_tiny_bdlm(model_cfg)
+            raise ValueError(f"{name_or_dir} needs the model config (dimensions, init_seed)")
+        return build_tiny_bdlm(model_cfg) if str(name_or_dir) == "builtin:tiny-bdlm" \
+            else gemma.build_tiny_diffusiongemma(model_cfg)
     directory = Path(name_or_dir)
+    if not directory.exists() and "/" in str(name_or_dir) and not str(name_or_dir).startswith((".", "/")):
+        return gemma.load_diffusiongemma(str(name_or_dir), getattr(model_cfg, "revision", ""))
     if not (directory / MODEL_FILE).is_file():
         raise FileNotFoundError(
             f"{directory} is not a bdlm model folder (no {MODEL_FILE}); use builtin:tiny-bdlm or a folder "
@@ -204,6 +210,8 @@ def load_bdlm(name_or_dir: str | Path, model_cfg=None) -> BDLMAdapter:
         module = TinyBDLM(TinySpec(**info["spec"]))
         module.load_state_dict(load_file(str(directory / "model.safetensors")))
         return TinyBDLMAdapter(module, vocab)
+    if info["kind"] == gemma.KIND:
+        return gemma.load_diffusiongemma(directory)
     if info["kind"] == HFMaskedLMAdapter.kind:
         from transformers import AutoModelForMaskedLM
 

@@ -13,7 +13,7 @@ a masked or padded position can reach neither the loss nor the gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ def replay_canvas(targets: torch.Tensor, action_steps: torch.Tensor, step: int, 
 class StepScores:
     token_log_probs: torch.Tensor  # [B, L]: log-prob of the target at active positions, 0 elsewhere
     log_probs: torch.Tensor  # [B, L, V]: full (sanitised) proposal log-probs, for the KL term
+    cols: slice = field(default_factory=lambda: slice(None))  # the columns of the trace's [B, A] layout they fill
 
 
 def score_step(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor, temperature: float,
@@ -54,14 +55,18 @@ def replay_rows(adapter: BDLMAdapter, trace: TraceBatch, rows: slice, step: int)
     return score_step(logits, targets, steps == step, trace.temperature, trace.vocab.mask)
 
 
-def replay_log_probs(adapter: BDLMAdapter, trace: TraceBatch, micro_batch_size: int | None = None) -> torch.Tensor:
-    """``[B, L]`` log-prob of every committed token under ``adapter`` (no grad), 0 at step -1.
+def replay_log_probs(adapter: BDLMAdapter, trace, micro_batch_size: int | None = None) -> torch.Tensor:
+    """``[B, A]`` log-prob of every action under ``adapter`` (no grad), 0 where there is none.
 
-    ``micro_batch_size`` defaults to the rollout's, so the forward passes see the rollout's rows.
+    Works on any trace with the learner interface (``micro_batches``, ``unit_keys``,
+    ``score_unit``): a ``TraceBatch`` (one unit per step, ``A = L``) or a DiffusionGemma
+    ``CanvasTrace`` (one unit per block). ``micro_batch_size`` defaults to the rollout's, so the
+    forward passes see the rollout's rows.
     """
-    out = torch.zeros(trace.targets.shape, dtype=torch.float32)
+    out = torch.zeros(trace.log_probs.shape, dtype=torch.float32)
     with torch.no_grad():
         for rows in trace.micro_batches(micro_batch_size):
-            for step in steps_with_actions(trace.action_steps[rows]):
-                out[rows] += replay_rows(adapter, trace, rows, step).token_log_probs
+            for key in trace.unit_keys(rows):
+                scores = trace.score_unit(adapter, rows, key)
+                out[rows, scores.cols] += scores.token_log_probs
     return out

@@ -64,9 +64,28 @@ class TraceBatch:
         """Forward passes the replay needs: 1 + the largest commit step."""
         return int(self.action_steps.max()) + 1
 
+    @property
+    def generation_length(self) -> int:
+        return int(self.targets.shape[1]) - self.prompt_length
+
     def micro_batches(self, size: int | None = None) -> list[slice]:
         size = size or self.micro_batch_size
         return [slice(i, min(i + size, self.batch_size)) for i in range(0, self.batch_size, size)]
+
+    # -- what the learner calls (``CanvasTrace`` has the same interface) ---------------------------
+    excluded_token = property(lambda self: self.vocab.mask)  # never proposed: left out of the KL
+
+    def unit_keys(self, rows: slice) -> list[int]:
+        """Global steps with at least one commit among ``rows``: one replay unit each."""
+        return sorted(int(s) for s in torch.unique(self.action_steps[rows]) if s >= 0)
+
+    def unit_mask(self, rows: slice, step: int) -> torch.Tensor:
+        return self.action_steps[rows] == step  # [m, L]
+
+    def score_unit(self, adapter, rows: slice, step: int):
+        from .replay import replay_rows
+
+        return replay_rows(adapter, self, rows, step)
 
     def with_rewards(
         self, rewards: torch.Tensor, components: dict[str, torch.Tensor], advantages: torch.Tensor

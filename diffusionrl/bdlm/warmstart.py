@@ -59,7 +59,12 @@ def train_warm_start(adapter: BDLMAdapter, examples: list[Example], ws_cfg, *, p
     for step in tqdm(range(ws_cfg.steps), desc="warm start", disable=None if progress is None else not progress):
         idx = torch.randint(len(examples), (ws_cfg.batch_size,), generator=gen)
         t, hidden = draw_masks(ws_cfg.batch_size, gen_length, gen)
-        loss = masked_diffusion_loss(adapter, prompts[idx], answers[idx], t, hidden)
+        if getattr(adapter, "kind", "") == "diffusiongemma":  # uniform corruption, no MASK token
+            from .gemma import sft_loss
+
+            loss = sft_loss(adapter, prompts[idx], answers[idx], gen)
+        else:
+            loss = masked_diffusion_loss(adapter, prompts[idx], answers[idx], t, hidden)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
