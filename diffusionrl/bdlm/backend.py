@@ -126,6 +126,7 @@ class BDLMBackend:
             "rollout/reward/exact_mean": float(s["exact"].mean()),
             "rollout/reward/partial_mean": float(s["partial"].mean()),
             "rollout/zero_std/count": float(adv.zero_std_groups),
+            "rollout/active_groups": float(len(torch.unique(trace.group_ids[adv.active]))),  # dapo: kept by sampling
             "rollout/decode_steps_mean": float((trace.action_steps.max(1).values + 1).float().mean()),
         }
         return trace.with_rewards(rewards, parts, adv.advantages), adv.active, metrics
