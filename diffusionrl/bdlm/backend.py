@@ -52,14 +52,19 @@ class BDLMBackend:
         if self.teacher is not None and getattr(self.teacher, "kind", "") != getattr(self.live, "kind", ""):
             raise ValueError(f"grpo.teacher={gc.teacher} is a {self.teacher.kind} model, the student a "
                              f"{self.live.kind}: the teacher scores the student's own canvases; the kinds must match")
-        self.gemma = getattr(self.live, "kind", "") == "diffusiongemma"
-        if self.gemma:
-            from .gemma_rollout import check_replayable
+        self.kind = getattr(self.live, "kind", "")
+        if self.kind in ("diffusiongemma", "llada2"):  # rollouts through the stock pipelines
+            if self.kind == "diffusiongemma":
+                from .gemma_rollout import check_replayable
 
-            check_replayable(cfg.model, self.live)  # fail before training, naming the option
+                check_replayable(cfg.model, self.live)  # fail before training, naming the option
+            else:
+                from .llada2 import check_replayable
+
+                check_replayable(cfg.model)
             self.live.check_digit_vocab()
             if gc.save_traces:
-                raise ValueError("grpo.save_traces=true: DiffusionGemma traces have no Parquet form yet; set "
+                raise ValueError(f"grpo.save_traces=true: {self.kind} traces have no Parquet form yet; set "
                                  "grpo.save_traces=false")
         self.optimizer = torch.optim.AdamW(self.live.module.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
         self.objective = TraceGRPO(gc, self.live, self.reference, self.teacher)
@@ -92,14 +97,19 @@ class BDLMBackend:
     def rollout(self, step: int) -> tuple[TraceBatch, list[Example]]:
         examples, group_ids, seeds = self.sample_batch(step)
         mb = self.cfg.grpo.micro_batch_size
-        if self.gemma:  # the stock DiffusionGemmaPipeline, recorded (gemma_rollout)
+        if self.kind in ("diffusiongemma", "llada2"):  # the stock pipelines, recorded
             from dataclasses import replace
 
-            from .gemma_rollout import rollout
-
             vocab = self.live.vocab
-            texts = [vocab.decode(r) for r in encode_prompts(examples, self.cfg.task.prompt_length, vocab)]
-            trace = rollout(self.live, self.cfg.model, texts, seeds, mb, group_ids)
+            prompts = encode_prompts(examples, self.cfg.task.prompt_length, vocab)
+            if self.kind == "diffusiongemma":
+                from .gemma_rollout import rollout
+
+                trace = rollout(self.live, self.cfg.model, [vocab.decode(r) for r in prompts], seeds, mb, group_ids)
+            else:
+                from .llada2 import rollout as llada2_rollout
+
+                trace = llada2_rollout(self.live, self.cfg.model, prompts, seeds, mb, group_ids)
             meta = [{"prompt": ex.prompt, "answer": ex.answer} for ex in examples]
             return replace(trace, policy_version=step, metadata=meta), examples
         prompts, tokens, steps, log_probs = decode_examples(self.cfg, self.live, examples, seeds, mb)

@@ -47,6 +47,8 @@ class BDLMModelConfig:
     steps_per_block: int = option(4, "DiffusionGemma: denoising steps per canvas (the pipeline's num_inference_steps)")
     editing_threshold: float = option(
         0.0, "DiffusionGemma: re-sample an already committed token when the new one's prob > this (0: no editing)")
+    max_post_steps: int = option(4, "LLaDA2: extra editing steps per block once it has no MASK left")
+    hub_family: str = option("diffusiongemma", "A hub model.name's family: diffusiongemma | llada2")
     confidence_threshold: float = option(
         0.0, "DiffusionGemma: the pipeline's adaptive early stop (0: off; the replay does not cover it)")
     scheduler: str = option("block_refinement", "DiffusionGemma: the pipeline's scheduler (block_refinement; "
@@ -56,6 +58,8 @@ class BDLMModelConfig:
         for name in ("dim", "layers", "heads", "ff_dim", "max_length", "gen_length", "block_size", "steps_per_block"):
             check_positive("model", name, getattr(self, name))
         check_positive("model", "temperature", self.temperature)
+        check_positive("model", "max_post_steps", self.max_post_steps, allow_zero=True)
+        check_choice("model", "hub_family", self.hub_family, ("diffusiongemma", "llada2"))
         if self.dim % self.heads:
             raise ConfigError(
                 f"model.heads={self.heads} does not divide model.dim={self.dim}; use heads=4 or dim={self.heads * 32}"

@@ -45,13 +45,18 @@ def eval_examples(cfg: BDLMConfig, split: str = "test") -> list[Example]:
 
 
 def decode_greedy(cfg: BDLMConfig, adapter: BDLMAdapter, examples: list[Example]) -> torch.Tensor:
-    """Greedy (evaluation) decoding of ``examples`` -> generated ids ``[B, G]`` (DiffusionGemma:
-    through the stock pipeline, ``gemma_rollout.decode_greedy``)."""
+    """Greedy (evaluation) decoding of ``examples`` -> generated ids ``[B, G]`` (DiffusionGemma and
+    LLaDA2: through their stock pipelines)."""
     if getattr(adapter, "kind", "") == "diffusiongemma":
         from .gemma_rollout import decode_greedy as gemma_greedy
 
         texts = [adapter.vocab.decode(r) for r in encode_prompts(examples, cfg.task.prompt_length, adapter.vocab)]
         return gemma_greedy(adapter, cfg.model, texts, cfg.eval.batch_size, cfg.eval.threshold)
+    if getattr(adapter, "kind", "") == "llada2":
+        from .llada2 import decode_greedy as llada2_greedy
+
+        prompts = encode_prompts(examples, cfg.task.prompt_length, adapter.vocab)
+        return llada2_greedy(adapter, cfg.model, prompts, cfg.eval.batch_size, cfg.eval.threshold)
     _, tokens, _, _ = decode_examples(cfg, adapter, examples, None, cfg.eval.batch_size, cfg.eval.threshold)
     return tokens[:, cfg.task.prompt_length :]
 
