@@ -246,3 +246,22 @@ def test_resumed_gemma_run_matches_uninterrupted(model, tmp_path):
     m = full.metrics[0]
     assert m["train/log_prob_mean_abs_diff"] <= 1e-6 and m["train/first_approx_kl"] == 0.0
     assert 0 < m["train/entropy"] < torch.log(torch.tensor(14.0)).item() + 1e-5
+
+
+def test_the_pyfunc_model_serves_through_the_stock_pipeline(cfg, model, tmp_path):
+    """The registered pyfunc's ``predict`` decodes a DiffusionGemma folder through the stock
+    pipeline: the same answers as the evaluation's greedy decoding."""
+    import json
+    from types import SimpleNamespace
+
+    from diffusionrl.bdlm.evaluation import decode_answers
+    from diffusionrl.bdlm.serving import BDLMDecoder, decoding_settings
+    from diffusionrl.bdlm.task import Example
+
+    folder = model.save(tmp_path / "m")
+    (tmp_path / "decoding.json").write_text(json.dumps(decoding_settings(cfg)))
+    served = BDLMDecoder()
+    served.load_context(SimpleNamespace(artifacts={"model": str(folder), "decoding": str(tmp_path / "decoding.json")}))
+    prompts = ["3142", "55190", "123"]
+    expected = decode_answers(cfg, load_bdlm(folder), [Example(p, "") for p in prompts])
+    assert served.predict(None, {"prompt": prompts}) == expected

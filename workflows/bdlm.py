@@ -4,6 +4,7 @@ decoding traces -> evaluation -> MLflow registry -> report (docs/bdlm.md).
     pyflyte run workflows/bdlm.py bdlm                                      # embedded tiny-bdlm defaults
     pyflyte run workflows/bdlm.py bdlm --overrides '["grpo.steps=20", "task.kind=reverse"]'
     pyflyte run workflows/bdlm.py bdlm --checkpoint_dir runs/bdlm          # re-run with it to resume
+    pyflyte run workflows/bdlm.py bdlm --config '{"preset": "tiny-diffusiongemma-dapo"}'  # DiffusionGemma
 
 Tracking and registry work as in ``workflows/grpo.py``: one MLflow run per execution (nested
 prepare / warm_start / train / evaluate runs); the policy is registered as

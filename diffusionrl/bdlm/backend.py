@@ -48,6 +48,8 @@ class BDLMBackend:
         self.init_digest = weights_digest(self.live)
         self.reference = frozen_copy(self.live) if cfg.grpo.kl_beta > 0 else None
         gc = cfg.grpo
+        if gc.objective == "opd" and not gc.teacher:
+            raise ValueError("grpo.objective=opd needs grpo.teacher: a model folder (e.g. a longer warm start's)")
         self.teacher = frozen_copy(load_bdlm(gc.teacher, cfg.model)) if gc.objective == "opd" else None
         if self.teacher is not None and getattr(self.teacher, "kind", "") != getattr(self.live, "kind", ""):
             raise ValueError(f"grpo.teacher={gc.teacher} is a {self.teacher.kind} model, the student a "
@@ -66,6 +68,7 @@ class BDLMBackend:
             if gc.save_traces:
                 raise ValueError(f"grpo.save_traces=true: {self.kind} traces have no Parquet form yet; set "
                                  "grpo.save_traces=false")
+            (self.out_dir / "traces").mkdir(parents=True, exist_ok=True)  # stays empty: the workflow ships it
         self.optimizer = torch.optim.AdamW(self.live.module.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
         self.objective = TraceGRPO(gc, self.live, self.reference, self.teacher)
 

@@ -7,7 +7,8 @@ logits (self-conditioning). Rollouts run through the stock ``diffusers.Diffusion
 with ``BlockRefinementScheduler`` (``gemma_rollout``).
 
 - ``builtin:tiny-diffusiongemma``: a ~60 k-parameter config built in code (2 layers, one sliding
-  and one full-attention, optional MoE, a 16-wide vision tower the text path never calls) whose
+  and one full-attention, each with its dense MLP and an MoE block of ``model.num_experts``
+  experts, 2 active; a 16-wide vision tower the text path never calls) whose
   vocabulary *is* the digit vocabulary (``VOCAB``), so ids need no map. Eager attention: the same
   kernels run with and without autograd, which the exact replay relies on.
 - a folder written by ``DiffusionGemmaAdapter.save`` (``bdlm_model.json`` + the Hugging Face
@@ -68,8 +69,8 @@ def tiny_config(model_cfg, vocab: Vocab = VOCAB):
     from transformers import DiffusionGemmaConfig
 
     head_dim = model_cfg.dim // model_cfg.heads
-    moe = {"num_experts": model_cfg.num_experts, "top_k_experts": 2, "moe_intermediate_size": model_cfg.ff_dim // 2} \
-        if model_cfg.num_experts else {}
+    moe = {"num_experts": model_cfg.num_experts, "top_k_experts": min(2, model_cfg.num_experts),
+           "moe_intermediate_size": model_cfg.ff_dim // 2}
     text = dict(vocab_size=vocab.size, hidden_size=model_cfg.dim, intermediate_size=model_cfg.ff_dim,
                 num_hidden_layers=model_cfg.layers, num_attention_heads=model_cfg.heads, num_key_value_heads=1,
                 head_dim=head_dim, global_head_dim=head_dim, max_position_embeddings=model_cfg.max_length,

@@ -40,16 +40,37 @@ class BDLMDecoder(mlflow.pyfunc.PythonModel):
         prompts = prompts_of(model_input)
         s = {**self.settings, **check_params(params)}
         ids = encode_prompts([Example(p, "") for p in prompts], s["prompt_length"], self.adapter.vocab)
+        kind = getattr(self.adapter, "kind", "")
+        if kind in ("diffusiongemma", "llada2"):  # through the stock pipeline (DiffusionGemma / LLaDA2)
+            generated = pipeline_greedy(self.adapter, ids, s)
+            return [parse_answer(row, self.adapter.vocab) for row in generated.tolist()]
         with torch.no_grad():
             out = decode(self.adapter, ids, gen_length=s["gen_length"], block_size=s["block_size"],
                          temperature=s["temperature"], threshold=float(s["threshold"]), seeds=None)
         return [parse_answer(row, self.adapter.vocab) for row in out.tokens[:, s["prompt_length"]:].tolist()]
 
 
+def pipeline_greedy(adapter, ids, s: dict):
+    """Greedy decoding of prompt ids ``[B, P]`` through the model's stock diffusers pipeline."""
+    from .config import BDLMModelConfig
+
+    mc = BDLMModelConfig(gen_length=s["gen_length"], block_size=s["block_size"],
+                         steps_per_block=s.get("steps_per_block", 4), threshold=float(s["threshold"]),
+                         editing_threshold=s.get("editing_threshold", 0.0), max_post_steps=s.get("max_post_steps", 4))
+    if adapter.kind == "llada2":
+        from .llada2 import decode_greedy
+
+        return decode_greedy(adapter, mc, ids, len(ids), mc.threshold)
+    from .gemma_rollout import decode_greedy
+
+    return decode_greedy(adapter, mc, [adapter.vocab.decode(r) for r in ids], len(ids), mc.threshold)
+
+
 def decoding_settings(cfg) -> dict:
     return {"prompt_length": cfg.task.prompt_length, "gen_length": cfg.model.gen_length,
             "block_size": cfg.model.block_size, "temperature": cfg.model.temperature,
-            "threshold": cfg.eval.threshold, "task": cfg.task.kind}
+            "threshold": cfg.eval.threshold, "task": cfg.task.kind, "steps_per_block": cfg.model.steps_per_block,
+            "editing_threshold": cfg.model.editing_threshold, "max_post_steps": cfg.model.max_post_steps}
 
 
 def log_bdlm_model(run, cfg, model_dir: str | Path, example_prompt: str, metadata: dict[str, str]):
@@ -86,7 +107,8 @@ def log_bdlm_model(run, cfg, model_dir: str | Path, example_prompt: str, metadat
             artifacts={"model": str(model_dir), "decoding": str(decoding)},
             signature=signature,
             input_example=pd.DataFrame({"prompt": [example_prompt]}),
-            pip_requirements=["torch", "safetensors", "numpy", "pandas", "mlflow"],
+            pip_requirements=["torch", "safetensors", "numpy", "pandas", "mlflow"]
+            + (["transformers", "diffusers"] if not cfg.model.name.startswith("builtin:tiny-bdlm") else []),
         )
 
 
