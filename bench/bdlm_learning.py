@@ -57,7 +57,7 @@ def main() -> None:
         before = evaluate(cfg, init_dir)
         out_row.update(acc_warm_start=round(before["eval/exact_match"], 4),
                        reward_warm_start=round(before["eval/reward_mean"], 4))
-        table.append(("warm start", before, 0.0))
+        table.append((f"warm start ({cfg.warm_start.steps} SFT steps)", before, out_row["warm_start_s"]))
         teacher_dir = None
         if "opd" in names:
             t = time.perf_counter()

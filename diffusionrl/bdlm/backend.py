@@ -65,10 +65,6 @@ class BDLMBackend:
 
                 check_replayable(cfg.model)
             self.live.check_digit_vocab()
-            if gc.save_traces:
-                raise ValueError(f"grpo.save_traces=true: {self.kind} traces have no Parquet form yet; set "
-                                 "grpo.save_traces=false")
-            (self.out_dir / "traces").mkdir(parents=True, exist_ok=True)  # stays empty: the workflow ships it
         self.optimizer = torch.optim.AdamW(self.live.module.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
         self.objective = TraceGRPO(gc, self.live, self.reference, self.teacher)
 
@@ -155,7 +151,12 @@ class BDLMBackend:
         metrics.update({"perf/rollout_time": t1 - t0, "perf/reward_time": t2 - t1, "perf/train_time": t3 - t2,
                         "perf/step_time": t3 - t0, "step": float(step + 1)})
         if self.cfg.grpo.save_traces:
-            trace_store.write_step(self.out_dir / "traces", trace, run_id=self.out_dir.name, step=step + 1)
+            if isinstance(trace, TraceBatch):
+                trace_store.write_step(self.out_dir / "traces", trace, run_id=self.out_dir.name, step=step + 1)
+            else:  # the pipeline traces: tensor_trace.read_tensor_trace reads them back
+                from .tensor_trace import write_tensor_trace
+
+                write_tensor_trace(self.out_dir / "traces", trace, run_id=self.out_dir.name, step=step + 1)
         return trace, metrics
 
     # -- run lifecycle ---------------------------------------------------------------------------

@@ -262,7 +262,7 @@ def _tiny_diffusiongemma(objective: str = "grpo", **grpo: Any):
                       "num_experts": 4, "block_size": 4, "steps_per_block": 4, "threshold": 0.9},
             "task": {"kind": "sort"}, "warm_start": {"steps": 800},
             "grpo": {"objective": objective, "steps": 30, "prompts_per_step": 8, "group_size": 8,
-                     "micro_batch_size": 32, "lr": 5e-4, "save_traces": False, **grpo},
+                     "micro_batch_size": 32, "lr": 5e-4, **grpo},
             "tracking": {"registered_model": "tiny-diffusiongemma-sort"},
         }
     return changes
@@ -273,8 +273,7 @@ def _tiny_llada2() -> dict[str, Any]:
     return {"model": {"name": "builtin:tiny-llada2", "dim": 64, "layers": 2, "heads": 2, "ff_dim": 128,
                       "block_size": 4, "steps_per_block": 4, "threshold": 0.9},
             "task": {"kind": "sort"}, "warm_start": {"steps": 300},
-            "grpo": {"steps": 30, "prompts_per_step": 8, "group_size": 8, "micro_batch_size": 32, "lr": 5e-4,
-                     "save_traces": False},
+            "grpo": {"steps": 30, "prompts_per_step": 8, "group_size": 8, "micro_batch_size": 32, "lr": 5e-4},
             "tracking": {"registered_model": "tiny-llada2-sort"}}
 
 

@@ -143,7 +143,8 @@ class DiffusionGemmaAdapter:
         mask-builder wrapper is a closure over the old decoder, so it is rebuilt, not copied)."""
         from transformers import DiffusionGemmaForBlockDiffusion
 
-        twin = DiffusionGemmaForBlockDiffusion(self.module.config)
+        with torch.random.fork_rng(devices=[]):  # the throwaway init must not move the global RNG
+            twin = DiffusionGemmaForBlockDiffusion(self.module.config)
         twin.load_state_dict(self.module.state_dict())
         return DiffusionGemmaAdapter(twin, self.processor, self.vocab, self.source)
 
