@@ -79,3 +79,32 @@ def test_rerun_with_more_steps_resumes_and_only_adds_steps(bdlm_wf, run):
     cols = ["rollout/reward/raw_mean", "train/loss"]
     pd.testing.assert_frame_equal(more.metrics[cols].iloc[:3].reset_index(drop=True),
                                   out.metrics[cols].reset_index(drop=True))
+
+
+def test_diffusiongemma_preset_through_the_workflow_registers_and_serves(bdlm_wf, tmp_path):
+    """``--config '{"preset": "tiny-diffusiongemma"}'``: the workflow trains the DiffusionGemma
+    through the stock pipeline, registers it, and the registered pyfunc decodes through it too."""
+    import mlflow.pyfunc
+
+    from diffusionrl.bdlm import BDLMConfig, load_bdlm, load_bdlm_config
+    from diffusionrl.bdlm.evaluation import decode_answers
+    from diffusionrl.bdlm.task import make_splits
+
+    small = ["warm_start.steps=20", "grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=4",
+             "grpo.micro_batch_size=8", "task.num_train=100", "task.num_test=8", "grpo.objective=dr_grpo",
+             "tracking.registered_model=test-bdlm-gemma"]
+    config = BDLMConfig.from_dict({"preset": "tiny-diffusiongemma"})
+    out = bdlm_wf(config=config, overrides=small, checkpoint_dir=str(tmp_path / "ckpt"))
+    assert len(out.metrics) == 2 and out.metrics["train/log_prob_mean_abs_diff"].max() <= 1e-6
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    client = MlflowClient(uri, uri)
+    mv = client.get_model_version("test-bdlm-gemma", out.registered.version)
+    assert mv.tags["base_model"] == "builtin:tiny-diffusiongemma"
+    assert client.get_run(mv.run_id).data.tags["algorithm"] == "bdlm_dr_grpo_exact_trace"
+    cfg = load_bdlm_config("tiny-diffusiongemma", small)
+    examples = make_splits(cfg.task).test
+    expected = decode_answers(cfg, load_bdlm(out.model.path), examples)
+    mlflow.set_registry_uri(uri)
+    got = mlflow.pyfunc.load_model(f"models:/test-bdlm-gemma/{out.registered.version}").predict(
+        pd.DataFrame({"prompt": [e.prompt for e in examples]}))
+    assert list(got) == expected
