@@ -110,13 +110,41 @@ def scored(loop):
 
 
 def test_timestep_plan_is_per_sample_and_independent_of_the_batch():
-    plan = TimestepPlan.draw(0, 3, 0, batch=8, num_steps=4, shape=(2, 2, 2))
+    plan = TimestepPlan.draw(0, 3, 0, np.arange(8), num_steps=4, shape=(2, 2, 2))
     assert plan.indices.shape == (8, 3)
     assert all(len(set(row)) == 3 and set(row) <= {0, 1, 2, 3} for row in plan.indices.tolist())
-    small = TimestepPlan.draw(0, 3, 0, batch=4, num_steps=4, shape=(2, 2, 2))
+    small = TimestepPlan.draw(0, 3, 0, np.arange(4), num_steps=4, shape=(2, 2, 2))
     assert np.array_equal(plan.indices[:4], small.indices)
     assert torch.equal(plan.noise(range(2, 4), 1), small.noise(range(2, 4), 1))
-    assert not np.array_equal(plan.indices, TimestepPlan.draw(0, 4, 0, 8, 4, (2, 2, 2)).indices)
+    assert not np.array_equal(plan.indices, TimestepPlan.draw(0, 4, 0, np.arange(8), 4, (2, 2, 2)).indices)
+
+
+def test_group_keys_share_noise_levels_and_noise_within_a_group_only():
+    groups = np.repeat(np.arange(10, 13), 4)  # three prompt groups of four samples
+    plan = TimestepPlan.draw(0, 3, 0, groups, num_steps=6, shape=(2, 2, 2))
+    noise = plan.noise(range(12), 2)
+    for g in range(3):
+        rows = slice(4 * g, 4 * g + 4)
+        assert (plan.indices[rows] == plan.indices[4 * g]).all()
+        assert torch.equal(noise[rows], noise[4 * g].expand(4, -1, -1, -1))
+    assert not torch.equal(noise[0], noise[4]) and not np.array_equal(plan.indices[0], plan.indices[8])
+
+
+def test_group_renoise_keeps_the_gradient_independent_of_the_micro_batch_split(tmp_path):
+    cfg = tiny_config("algorithm.group_renoise=true", preset=NFT)
+    lp = build_loop(cfg, tmp_path, progress=False)
+    try:
+        lp.backend.push_weights(0)
+        traj, active, _ = lp.backend.score(lp.backend.rollout(0))
+        obj = lp.backend.worker.objective
+        plan = obj.plan(traj, 0, 0)
+        first = traj.group_ids == traj.group_ids[0]
+        assert (plan.indices[first.numpy()] == plan.indices[0]).all()
+        one, many = _grads(lp, traj, active, micro=8), _grads(lp, traj, active, micro=2)
+        num = max(float((one[n] - many[n]).norm()) for n in one)
+        assert num / max(float(one[n].norm()) for n in one) <= 1e-5
+    finally:
+        lp.close()
 
 
 def test_a_unit_feeds_t_times_1000_and_uses_old_live_and_reference_weights(loop, scored, monkeypatch):

@@ -52,6 +52,11 @@ class ObjectiveOptions:
         "prompt and image-bytes columns, or builtin:shapes[:N] (diffusionrl/data/image_pairs.py)"
     )
     init_lora: str = option("", "peft LoRA folder the policy starts from (e.g. an SFT run's lora/); '' = fresh init")
+    group_renoise: bool = option(
+        False, "DiffusionNFT / AWM: re-noise the samples of a prompt group at the same noise levels with the same "
+        "noise (common random numbers): the part of each sample's gradient that does not depend on its clean "
+        "latent cancels between the group's positive and negative samples (docs/algorithms.md section 7)"
+    )
 
     def check_objective_options(self) -> None:
         check_choice("algorithm", "kl_space", self.kl_space, ("auto", "x", "v"))

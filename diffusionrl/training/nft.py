@@ -53,14 +53,19 @@ class TimestepPlan:
     indices: np.ndarray  # [B, K] int: indices into traj.sigmas, K = T - 1, random order per sample
     shape: tuple[int, ...]  # latent shape (C, H, W)
 
+    keys: np.ndarray  # [B] int: the key of each sample's draws (its index, or its group id when shared)
+
     @classmethod
-    def draw(cls, seed: int, step: int, epoch: int, batch: int, num_steps: int, shape: tuple[int, ...]) -> TimestepPlan:
+    def draw(cls, seed: int, step: int, epoch: int, keys: np.ndarray, num_steps: int,
+             shape: tuple[int, ...]) -> TimestepPlan:
+        """``keys[i]`` seeds sample i's noise levels and noises: samples with one key draw the same."""
         slots = num_steps - 1
+        keys = np.asarray(keys, dtype=np.int64)
         rows = [
-            np.random.default_rng([_TIMESTEP_STREAM, seed, step, epoch, i]).permutation(num_steps)[:slots]
-            for i in range(batch)
+            np.random.default_rng([_TIMESTEP_STREAM, seed, step, epoch, int(k)]).permutation(num_steps)[:slots]
+            for k in keys
         ]
-        return cls(seed, step, epoch, np.stack(rows), tuple(shape))
+        return cls(seed, step, epoch, np.stack(rows), tuple(shape), keys)
 
     @property
     def slots(self) -> int:
@@ -69,9 +74,8 @@ class TimestepPlan:
     def noise(self, rows: range, slot: int) -> torch.Tensor:
         """``[len(rows), C, H, W]`` float32 standard normal noise of samples ``rows`` at ``slot``."""
         draws = [
-            np.random.default_rng([_NOISE_STREAM, self.seed, self.step, self.epoch, i, slot]).standard_normal(
-                self.shape, dtype=np.float32
-            )
+            np.random.default_rng([_NOISE_STREAM, self.seed, self.step, self.epoch, int(self.keys[i]), slot])
+            .standard_normal(self.shape, dtype=np.float32)
             for i in rows
         ]
         return torch.from_numpy(np.stack(draws))
@@ -86,8 +90,10 @@ class RenoisedUnits:
     label = "this objective"
 
     def plan(self, traj: Trajectory, step: int, epoch: int) -> TimestepPlan:
+        """Each sample's draws keyed by its index, or by its prompt group (``algorithm.group_renoise``)."""
         shape = tuple(traj.latents.shape[2:])
-        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, traj.batch_size, traj.num_steps, shape)
+        keys = traj.group_ids.numpy() if self.cfg.algorithm.group_renoise else np.arange(traj.batch_size)
+        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, keys, traj.num_steps, shape)
 
     def units(self, traj: Trajectory, chunks: list[slice], active: torch.Tensor, plan: TimestepPlan) -> list[Unit]:
         if traj.advantages is None:
