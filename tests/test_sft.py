@@ -178,3 +178,13 @@ def test_sft_lowers_the_flow_matching_loss_on_held_out_pairs(tmp_path):
     after = objective.held_out_loss(held)
     loop.close()
     assert after < 0.95 * before, (before, after)
+
+
+def test_builtin_shape_pairs_never_draw_a_held_out_prompt():
+    """A warm start on builtin:shapes must not see the prompts the demo evaluates on."""
+    from diffusionrl.config import load_config
+    from diffusionrl.data import load_prompts, shape_pairs
+
+    held_out = {r["prompt"] for r in load_prompts(load_config("tiny-cpu-shapes").data).test}
+    drawn = {r["prompt"] for r in shape_pairs(300, 32)}
+    assert held_out and not drawn & held_out and len(drawn) > 90  # every training prompt, none held out

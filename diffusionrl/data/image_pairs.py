@@ -8,7 +8,8 @@ Sources (``algorithm.sft_source``):
 - a ``.parquet`` file with a ``prompt`` (or ``text``) column and an ``image`` column of encoded
   image bytes (PNG/JPEG/WebP), or of ``{"bytes": ...}`` structs as Hugging Face datasets store them;
 - ``builtin:shapes`` (``builtin:shapes:N``): N seeded scenes of the shapes world (``diffusionrl.data.shapes``:
-  1-4 coloured circles, squares, triangles on white) with their prompts, for tests and the tiny preset.
+  1-4 coloured circles, squares, triangles on white) of its training prompts (never a held-out one), for
+  tests and the tiny preset.
 
 Every row becomes ``{"prompt": str, "image": uint8 [resolution, resolution, 3]}`` (centre-cropped
 to a square, resized with Lanczos). A bad row is a ``PromptDataError`` naming its file and line.
@@ -38,11 +39,13 @@ def to_square(image, resolution: int) -> np.ndarray:
 
 
 def shape_pairs(num: int, resolution: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``num`` seeded scenes of the shapes world (``diffusionrl.data.shapes``, all its prompts) with
-    their prompts."""
-    from .shapes import scene_pairs, shape_prompts
+    """``num`` seeded scenes of the shapes world's *training* prompts (``diffusionrl.data.shapes``: the
+    split ``builtin:tiny-sd3-shapes`` was pretrained on and ``tiny-cpu-shapes`` trains on) with their
+    prompts: a warm start never draws a held-out prompt, so the evaluation stays held out."""
+    from .shapes import DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, scene_pairs, world_splits
 
-    return [{"prompt": p["prompt"], "image": p["image"]} for p in scene_pairs(shape_prompts(), num, resolution, seed)]
+    train, _ = world_splits(DEFAULT_TEST_FRACTION, DEFAULT_SPLIT_SEED)
+    return [{"prompt": p["prompt"], "image": p["image"]} for p in scene_pairs(train, num, resolution, seed)]
 
 
 def _prompt_of(obj: dict, where: str) -> str:
