@@ -70,7 +70,8 @@ def test_the_shipped_base_model_draws_its_world_on_held_out_prompts():
     from diffusionrl.rewards.geneval_mini import GenEvalMini
     from diffusionrl.rollout.local import LocalRolloutEngine
 
-    cfg = load_config("tiny-cpu-shapes")
+    # the base at its best guidance (the demo samples CFG-free, as DiffusionNFT trains)
+    cfg = load_config("tiny-cpu-shapes", overrides=["eval.guidance_scale=4.5"])
     test = load_prompts(cfg.data).test
     rows = [r for r in test if r["category"] in ("single", "colors", "two")]
     prompts, groups, seeds, metadata = eval_samples(rows, 4, cfg.eval.seed)

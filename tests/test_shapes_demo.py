@@ -1,4 +1,4 @@
-"""The demo's task end to end at test size: tiny-cpu-shapes trains one Flow-GRPO step on the shapes
+"""The demo's task end to end at test size: tiny-cpu-shapes trains one DiffusionNFT step on the shapes
 world and its evaluation scores base and tuned images per GenEval category."""
 
 import pytest
