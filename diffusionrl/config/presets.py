@@ -157,6 +157,12 @@ TINY_CPU_SGLANG: dict[str, Any] = {"sampling": {"engine": "sglang", "sglang_veri
 # Over TINY_CPU: Flow-GRPO on DanceGRPO's SDE (constant noise g = eta, DanceGRPO's eta 0.3).
 TINY_CPU_DANCE: dict[str, Any] = {"sampling": {"sde_type": "dance", "noise_level": 0.3}}
 
+# Over TINY_CPU: MixGRPO's sliding window (docs/algorithms.md 3): 2 SDE steps for every group, starting at
+# step 0 and moving one step later every 10 RL steps over [0, 6); ODE (Euler) steps outside it. MixGRPO-Flash:
+# --set sampling.ode_solver=dpm2m.
+TINY_CPU_MIXGRPO: dict[str, Any] = {"sampling": {"step_strategy": "mix_window", "num_sde_steps": 2, "window_range":
+                                                 [0, 6], "window_shift_interval": 10, "window_stride": 1}}
+
 # Over TINY_CPU: GRPO-Guard (RatioNorm + 1/|dt| reweighting) on tiny-cpu's Flow-SDE rollouts, without the
 # heavy KL it is meant to make unnecessary (docs/algorithms.md section 14.2).
 TINY_CPU_GRPO_GUARD: dict[str, Any] = {"algorithm": {"name": "grpo_guard", "kl_beta": 0.0}}
@@ -370,6 +376,7 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-nft": (TINY_CPU, TINY_CPU_NFT),
     "sd35m-pickscore-nft": (SD35M_GPU, SD35M_PICKSCORE_NFT),
     "tiny-cpu-dance": (TINY_CPU, TINY_CPU_DANCE),
+    "tiny-cpu-mixgrpo": (TINY_CPU, TINY_CPU_MIXGRPO),
     "tiny-cpu-grpo-guard": (TINY_CPU, TINY_CPU_GRPO_GUARD),
     "tiny-cpu-dppo": (TINY_CPU, TINY_CPU_DPPO),
     "tiny-cpu-awm": (TINY_CPU, TINY_CPU_AWM),
