@@ -17,7 +17,7 @@
 A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
 from the preset's model reference).
 
-    python bench/families.py [--families sd3,flux,qwen-image,wan] [--budget-s 600] [--repeats 5] [--threads 1]
+    python bench/families.py [--families sd3,flux,qwen-image,wan,zimage] [--budget-s 600] [--repeats 5] [--threads 1]
                              [--skip-learning]
 """
 
@@ -42,7 +42,8 @@ from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 
 # family -> its tiny preset
-FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan"}
+FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan",
+            "zimage": "tiny-cpu-zimage"}
 # The learning run's reward where it is not jpeg_compressibility alone: a video family learns its
 # preset's reward, per-frame JPEG compressibility + temporal consistency (on tiny-wan, 40 steps: the
 # per-frame JPEG reward alone gains ~0.7 first-step stds, the sum ~6).

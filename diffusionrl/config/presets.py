@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .presets_ext import GPU_EXT_PRESETS, TINY_EXT_PRESETS
 from .tree import lookup_preset
 
 # The attention projections the SD3.5 reference recipes adapt: the schema's default
@@ -156,12 +157,6 @@ TINY_CPU_SGLANG: dict[str, Any] = {"sampling": {"engine": "sglang", "sglang_veri
 
 # Over TINY_CPU: Flow-GRPO on DanceGRPO's SDE (constant noise g = eta, DanceGRPO's eta 0.3).
 TINY_CPU_DANCE: dict[str, Any] = {"sampling": {"sde_type": "dance", "noise_level": 0.3}}
-
-# Over TINY_CPU: MixGRPO's sliding window (docs/algorithms.md 3): 2 SDE steps for every group, starting at
-# step 0 and moving one step later every 10 RL steps over [0, 6); ODE (Euler) steps outside it. MixGRPO-Flash:
-# --set sampling.ode_solver=dpm2m.
-TINY_CPU_MIXGRPO: dict[str, Any] = {"sampling": {"step_strategy": "mix_window", "num_sde_steps": 2, "window_range":
-                                                 [0, 6], "window_shift_interval": 10, "window_stride": 1}}
 
 # Over TINY_CPU: GRPO-Guard (RatioNorm + 1/|dt| reweighting) on tiny-cpu's Flow-SDE rollouts, without the
 # heavy KL it is meant to make unnecessary (docs/algorithms.md section 14.2).
@@ -376,7 +371,6 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-nft": (TINY_CPU, TINY_CPU_NFT),
     "sd35m-pickscore-nft": (SD35M_GPU, SD35M_PICKSCORE_NFT),
     "tiny-cpu-dance": (TINY_CPU, TINY_CPU_DANCE),
-    "tiny-cpu-mixgrpo": (TINY_CPU, TINY_CPU_MIXGRPO),
     "tiny-cpu-grpo-guard": (TINY_CPU, TINY_CPU_GRPO_GUARD),
     "tiny-cpu-dppo": (TINY_CPU, TINY_CPU_DPPO),
     "tiny-cpu-awm": (TINY_CPU, TINY_CPU_AWM),
@@ -392,6 +386,8 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-wan-nft": (TINY_CPU, TINY_CPU_NFT, TINY_CPU_WAN, TINY_CPU_WAN_NFT),
     "wan21-t2v-1.3b-ocr": (WAN21_T2V_OCR,),
 }
+# presets_ext.py (MixGRPO, Z-Image, FLUX.2): its tiny change sets over TINY_CPU, its GPU recipes alone
+PRESETS.update({name: (TINY_CPU, *sets) for name, sets in TINY_EXT_PRESETS.items()} | GPU_EXT_PRESETS)
 
 
 def preset_changes(name: str) -> tuple[dict[str, Any], ...]:

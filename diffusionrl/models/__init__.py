@@ -12,7 +12,9 @@ from .tiny import TINY_REF, build_tiny_sd3_pipeline, save_tiny_sd3
 from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline
 from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline
 from .tiny_wan import TINY_WAN_REF, build_tiny_wan_pipeline
+from .tiny_zimage import TINY_ZIMAGE_REF, build_tiny_zimage_pipeline
 from .wan import WanAdapter
+from .zimage import ZImageAdapter
 
 __all__ = [
     "ADAPTERS",
@@ -24,12 +26,15 @@ __all__ = [
     "TINY_QWEN_IMAGE_REF",
     "TINY_REF",
     "TINY_WAN_REF",
+    "TINY_ZIMAGE_REF",
     "WanAdapter",
+    "ZImageAdapter",
     "adapter_class",
     "build_tiny_flux_pipeline",
     "build_tiny_qwen_image_pipeline",
     "build_tiny_sd3_pipeline",
     "build_tiny_wan_pipeline",
+    "build_tiny_zimage_pipeline",
     "hf_token",
     "load_adapter",
     "load_pipeline",

@@ -29,8 +29,9 @@ from .flux import FluxAdapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter
+from .zimage import ZImageAdapter
 
-ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter)
+ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter, ZImageAdapter)
 
 
 class ModelReferenceError(UserError):

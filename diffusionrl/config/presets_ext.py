@@ -1,0 +1,94 @@
+"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image and FLUX.2.
+
+``TINY_EXT_PRESETS`` are laid over ``presets.TINY_CPU`` (as every ``tiny-cpu-*`` preset);
+``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both.
+The GPU recipes are not run here (no GPU, no network): their hub ids are the models' official
+repositories, pinned to no revision (the default branch; set ``model.revision`` to a commit to pin).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Over TINY_CPU: MixGRPO's sliding window (docs/algorithms.md 3): 2 SDE steps for every group, starting at
+# step 0 and moving one step later every 10 RL steps over [0, 6); ODE (Euler) steps outside it.
+# MixGRPO-Flash: --set sampling.ode_solver=dpm2m.
+TINY_CPU_MIXGRPO: dict[str, Any] = {
+    "sampling": {"step_strategy": "mix_window", "num_sde_steps": 2, "window_range": [0, 6],
+                 "window_shift_interval": 10, "window_stride": 1},
+}
+
+# Z-Image's blocks (noise refiner, context refiner, joint layers): attention projections and the
+# SwiGLU feed-forward (w1, w3 in, w2 out).
+ZIMAGE_LORA_TARGETS = [
+    "attention.to_q",
+    "attention.to_k",
+    "attention.to_v",
+    "attention.to_out.0",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+]
+
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-zimage with a CFG pass at 4 (Z-Image's base-model regime; the
+# Turbo recipe below samples without one), LoRA on every block plus the final projection ("linear"),
+# prompts of up to 64 Qwen3 tokens after the chat template.
+TINY_CPU_ZIMAGE: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-zimage", "lora_targets": ZIMAGE_LORA_TARGETS + ["linear"],
+              "max_sequence_length": 64},
+    "sampling": {"guidance_scale": 4.0},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-zimage-jpeg"},
+}
+
+# Z-Image-Turbo (Tongyi-MAI/Z-Image-Turbo, 6B single-stream DiT, Qwen3-4B text encoder, FLUX VAE), Flow-GRPO
+# on PickScore: bf16 weights with an fp32 LoRA r64/alpha128 on ZIMAGE_LORA_TARGETS, gradient checkpointing,
+# 512 px, the model's 8 steps without CFG (guidance-distilled: our guidance_scale 1 = the pipeline's 0),
+# a 2-step SDE window in the first 4 steps, 8 FSDP2 ranks with colocated local engines that hand their
+# memory to the trainer (memory_handoff) and an offloaded optimizer.
+ZIMAGE_TURBO_PICKSCORE: dict[str, Any] = {
+    "model": {
+        "name": "Tongyi-MAI/Z-Image-Turbo",
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_sequence_length": 512,
+        "lora_rank": 64,
+        "lora_alpha": 128,
+        "lora_targets": ZIMAGE_LORA_TARGETS,
+        "gradient_checkpointing": True,
+    },
+    "sampling": {"resolution": 512, "num_steps": 8, "guidance_scale": 1.0, "noise_level": 0.7,
+                 "step_strategy": "sde_window", "num_sde_steps": 2, "window_range": [0, 4]},
+    "algorithm": {"kl_beta": 0.0, "global_std": True, "adv_clip_max": 5.0},
+    "reward": {"weights": {"pickscore": 1.0}},
+    "train": {
+        "steps": 1000,
+        "prompts_per_step": 32,
+        "group_size": 16,
+        "micro_batch_size": 4,
+        "minibatches": 2,
+        "learning_rate": 1e-4,
+        "mixed_precision": "bf16",
+        "ema": True,
+        "ema_decay": 0.9,
+        "checkpoint_every": 30,
+        "log_images_every": 30,
+        "save_latents": False,
+        "world_size": 8,
+        "placement": "colocate",
+        "rollout_engines": 8,
+        "cpus_per_bundle": 4,
+        "memory_handoff": True,
+        "offload_optimizer": True,
+    },
+    "eval": {"num_steps": 8, "guidance_scale": 1.0, "num_prompts": 1024},
+    "tracking": {"registered_model": "zimage-turbo-pickscore"},
+}
+
+TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
+    "tiny-cpu-mixgrpo": (TINY_CPU_MIXGRPO,),
+    "tiny-cpu-zimage": (TINY_CPU_ZIMAGE,),
+}
+GPU_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
+    "zimage-turbo-pickscore": (ZIMAGE_TURBO_PICKSCORE,),
+}
