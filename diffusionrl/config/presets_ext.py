@@ -85,10 +85,87 @@ ZIMAGE_TURBO_PICKSCORE: dict[str, Any] = {
     "tracking": {"registered_model": "zimage-turbo-pickscore"},
 }
 
+# FLUX.2's blocks: both streams' attention projections and SwiGLU feed-forwards in the double-stream
+# blocks, the fused QKV+MLP input and the output projection of the single-stream blocks.
+FLUX2_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.linear_in",
+    "ff.linear_out",
+    "ff_context.linear_in",
+    "ff_context.linear_out",
+    "attn.to_qkv_mlp_proj",
+    "attn.to_out",
+]
+
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-flux2 at FLUX.2 [dev]'s distilled guidance 4 (a transformer
+# input, no CFG pass), LoRA on FLUX2_LORA_TARGETS plus the output projection, 64 text tokens (the
+# templated system message takes ~30 of them).
+TINY_CPU_FLUX2: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-flux2", "lora_targets": FLUX2_LORA_TARGETS + ["proj_out"],
+              "max_sequence_length": 64},
+    "sampling": {"guidance_scale": 4.0},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-flux2-jpeg"},
+}
+
+# FLUX.2 [dev] (black-forest-labs/FLUX.2-dev, gated: HF_TOKEN; a 32B transformer and Mistral Small 3.1
+# 24B as text encoder), Flow-GRPO on PickScore: bf16 with an fp32 LoRA r32/alpha64 on FLUX2_LORA_TARGETS,
+# gradient checkpointing, 512 px, 10 steps at the distilled guidance 4, a 2-step SDE window in the first 5
+# steps, one image per micro-batch. Memory: every rank holds the whole pipeline (~64 GB transformer +
+# ~48 GB text encoder in bf16) before FSDP2 shards the trained transformer, so this needs 141 GB GPUs
+# (H200 class); the rollout engines hand their memory to the trainer and the optimizer is offloaded.
+FLUX2_DEV_PICKSCORE: dict[str, Any] = {
+    "model": {
+        "name": "black-forest-labs/FLUX.2-dev",
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_sequence_length": 512,
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "lora_targets": FLUX2_LORA_TARGETS,
+        "gradient_checkpointing": True,
+    },
+    "sampling": {"resolution": 512, "num_steps": 10, "guidance_scale": 4.0, "noise_level": 0.7,
+                 "step_strategy": "sde_window", "num_sde_steps": 2, "window_range": [0, 5]},
+    "algorithm": {"kl_beta": 0.0, "global_std": True, "adv_clip_max": 5.0},
+    "reward": {"weights": {"pickscore": 1.0}},
+    "train": {
+        "steps": 1000,
+        "prompts_per_step": 16,
+        "group_size": 16,
+        "micro_batch_size": 1,
+        "minibatches": 2,
+        "learning_rate": 1e-4,
+        "mixed_precision": "bf16",
+        "ema": True,
+        "ema_decay": 0.9,
+        "checkpoint_every": 30,
+        "log_images_every": 30,
+        "save_latents": False,
+        "world_size": 8,
+        "placement": "colocate",
+        "rollout_engines": 8,
+        "cpus_per_bundle": 4,
+        "memory_handoff": True,
+        "offload_optimizer": True,
+    },
+    "eval": {"num_steps": 28, "guidance_scale": 4.0, "num_prompts": 1024},
+    "tracking": {"registered_model": "flux2-dev-pickscore"},
+}
+
 TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-mixgrpo": (TINY_CPU_MIXGRPO,),
     "tiny-cpu-zimage": (TINY_CPU_ZIMAGE,),
+    "tiny-cpu-flux2": (TINY_CPU_FLUX2,),
 }
 GPU_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "zimage-turbo-pickscore": (ZIMAGE_TURBO_PICKSCORE,),
+    "flux2-dev-pickscore": (FLUX2_DEV_PICKSCORE,),
 }

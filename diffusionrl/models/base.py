@@ -85,7 +85,8 @@ def module_digest(modules: dict[str, torch.nn.Module]) -> str:
         for name, tensor in sorted(modules[prefix].state_dict().items()):
             t = tensor.detach().cpu().contiguous()
             h.update(f"{prefix}.{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            # reshape(-1): the same bytes, and 0-d tensors too (a BatchNorm's num_batches_tracked)
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
