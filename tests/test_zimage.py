@@ -107,3 +107,14 @@ def test_the_sglang_engine_refuses_zimage_naming_why():
 
     with pytest.raises(SGLangServerError, match="not 'zimage'.*not verified.*sampling.engine=local"):
         SGLangServer("python", "/nonexistent", "fp32", family="zimage")
+
+
+def test_the_served_guidance_default_is_the_pipelines_own_scale():
+    """The registered model's guidance_scale param is ZImagePipeline's (ours - 1): CFG 4 is its 3, and
+    Z-Image-Turbo's no-CFG (ours 1) its 0, which the request bounds accept."""
+    from diffusionrl.serving import image_params
+
+    assert image_params(tiny_config(preset="tiny-cpu-zimage"), ZImageAdapter)["guidance_scale"] == 3.0
+    turbo = tiny_config("eval.guidance_scale=1.0", "sampling.guidance_scale=1.0", preset="tiny-cpu-zimage")
+    assert image_params(turbo, ZImageAdapter)["guidance_scale"] == 0.0
+    assert image_params(turbo)["guidance_scale"] == 1.0  # every other family: ours

@@ -1,7 +1,8 @@
-"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image and FLUX.2.
+"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2 and Wan2.2.
 
 ``TINY_EXT_PRESETS`` are laid over ``presets.TINY_CPU`` (as every ``tiny-cpu-*`` preset);
-``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both.
+``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both, and
+lays the Wan2.2 change sets over its Wan2.1 ones.
 The GPU recipes are not run here (no GPU, no network): their hub ids are the models' official
 repositories, pinned to no revision (the default branch; set ``model.revision`` to a commit to pin).
 """
@@ -158,6 +159,26 @@ FLUX2_DEV_PICKSCORE: dict[str, Any] = {
     },
     "eval": {"num_steps": 28, "guidance_scale": 4.0, "num_prompts": 1024},
     "tracking": {"registered_model": "flux2-dev-pickscore"},
+}
+
+# Over TINY_CPU + TINY_CPU_WAN (presets.py): the same run on builtin:tiny-wan22, Wan2.2 A14B's two experts
+# (transformer for t >= 875, transformer_2 below), LoRA on both (model.lora_experts=high|low: one).
+TINY_CPU_WAN22: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-wan22", "lora_experts": "both"},
+    "tracking": {"registered_model": "tiny-wan22-jpeg-temporal"},
+}
+
+# Over WAN21_T2V_OCR (presets.py): Wan2.2-T2V-A14B (two 14B experts split at boundary_ratio 0.875, UMT5,
+# the Wan2.1 VAE) on the same OCR recipe, LoRA r32 on both experts' attention, gradient checkpointing,
+# bf16. Memory: every rank loads both experts (~56 GB bf16) and UMT5 (~11 GB) before FSDP2 shards the
+# trained experts' blocks: 141 GB GPUs (H200 class). One guidance scale for both experts (the pipeline's
+# guidance_scale_2 is not used). Not run here; the two-expert LoRA is not registrable yet (lora_export).
+WAN22_T2V_A14B_OCR: dict[str, Any] = {
+    "model": {"name": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "lora_experts": "both"},
+    "sampling": {"guidance_scale": 4.0},
+    "train": {"micro_batch_size": 2},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "wan22-t2v-a14b-ocr"},
 }
 
 TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {

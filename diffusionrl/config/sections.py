@@ -33,11 +33,14 @@ class ModelConfig:
     lora_alpha: int = option(16, "LoRA alpha (scale = alpha / r)")
     lora_init: str = option("gaussian", "peft init_lora_weights: gaussian | true (kaiming, B = 0 in both)")
     lora_targets: list[str] = option(SD3_LORA_TARGETS, "Module name suffixes that get a LoRA adapter")
+    lora_experts: str = option("both", "A model with two experts (Wan2.2 A14B): which gets the LoRA: both | high "
+                               "(transformer, high-noise steps) | low (transformer_2, low-noise steps)")
     gradient_checkpointing: bool = option(False, "Recompute transformer activations in backward")
 
     def __post_init__(self) -> None:
         check_choice("model", "dtype", self.dtype, ("float32", "float16", "bfloat16"))
         check_choice("model", "lora_init", self.lora_init, ("gaussian", "true"))
+        check_choice("model", "lora_experts", self.lora_experts, ("both", "high", "low"))
         check_device("model", "device", self.device)
         check_positive("model", "lora_rank", self.lora_rank)
         check_positive("model", "lora_alpha", self.lora_alpha)

@@ -13,9 +13,9 @@ from .tiny import TINY_REF, build_tiny_sd3_pipeline, save_tiny_sd3
 from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline
 from .tiny_flux2 import TINY_FLUX2_REF, build_tiny_flux2_pipeline
 from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline
-from .tiny_wan import TINY_WAN_REF, build_tiny_wan_pipeline
+from .tiny_wan import TINY_WAN22_REF, TINY_WAN_REF, build_tiny_wan22_pipeline, build_tiny_wan_pipeline
 from .tiny_zimage import TINY_ZIMAGE_REF, build_tiny_zimage_pipeline
-from .wan import WanAdapter
+from .wan import WanAdapter, WanExperts
 from .zimage import ZImageAdapter
 
 __all__ = [
@@ -29,15 +29,18 @@ __all__ = [
     "TINY_FLUX_REF",
     "TINY_QWEN_IMAGE_REF",
     "TINY_REF",
+    "TINY_WAN22_REF",
     "TINY_WAN_REF",
     "TINY_ZIMAGE_REF",
     "WanAdapter",
+    "WanExperts",
     "ZImageAdapter",
     "adapter_class",
     "build_tiny_flux2_pipeline",
     "build_tiny_flux_pipeline",
     "build_tiny_qwen_image_pipeline",
     "build_tiny_sd3_pipeline",
+    "build_tiny_wan22_pipeline",
     "build_tiny_wan_pipeline",
     "build_tiny_zimage_pipeline",
     "hf_token",

@@ -79,9 +79,13 @@ class ZImageAdapter(FlowAdapter):
     def needs_negative(self, guidance_scale: float) -> bool:
         return guidance_scale > 1.0  # the pipeline's do_classifier_free_guidance (its scale g - 1 > 0)
 
+    @staticmethod
+    def served_guidance(guidance_scale: float) -> float:
+        return max(guidance_scale - 1.0, 0.0)  # the pipeline's s = g - 1 (0: no CFG pass)
+
     def pipeline_kwargs(self, guidance_scale: float, negative_prompt) -> dict:
         if self.needs_negative(guidance_scale):
-            return {"guidance_scale": guidance_scale - 1.0, "negative_prompt": negative_prompt}
+            return {"guidance_scale": self.served_guidance(guidance_scale), "negative_prompt": negative_prompt}
         return {"guidance_scale": 0.0}
 
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
