@@ -43,7 +43,8 @@ from diffusionrl.training.trainer import UpdateStats
 
 # family -> its tiny preset
 FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan",
-            "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "wan22": "tiny-cpu-wan22"}
+            "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "flux2-klein": "tiny-cpu-flux2-klein",
+            "wan22": "tiny-cpu-wan22"}
 # The learning run's reward where it is not jpeg_compressibility alone: a video family learns its
 # preset's reward, per-frame JPEG compressibility + temporal consistency (on tiny-wan, 40 steps: the
 # per-frame JPEG reward alone gains ~0.7 first-step stds, the sum ~6).

@@ -1,6 +1,7 @@
-"""FLUX.2 [dev] through the model-family seam: builtin:tiny-flux2 (loadable by the stock Flux2Pipeline),
-ODE parity with the stock pipeline (distilled guidance, the empirical mu schedule), the VAE round trip
-through the batch-norm statistics and the patchify, the exactness invariants (docs/algorithms.md
+"""FLUX.2 through the model-family seam: builtin:tiny-flux2 (FLUX.2 [dev], loadable by the stock
+Flux2Pipeline) and builtin:tiny-flux2-klein (FLUX.2 [klein] base, Flux2KleinPipeline, a CFG pass): ODE
+parity with the stock pipelines (distilled guidance or CFG, the empirical mu schedule), the VAE round
+trip through the batch-norm statistics and the patchify, the exactness invariants (docs/algorithms.md
 section 11), the SGLang refusal."""
 
 import numpy as np
@@ -8,9 +9,12 @@ import pytest
 import torch
 
 from diffusionrl.models import (
+    TINY_FLUX2_KLEIN_REF,
     TINY_FLUX2_REF,
     Flux2Adapter,
+    Flux2KleinAdapter,
     adapter_class,
+    build_tiny_flux2_klein_pipeline,
     build_tiny_flux2_pipeline,
     module_digest,
     save_builtin,
@@ -84,9 +88,9 @@ def test_decode_is_the_stock_pipelines_and_encode_images_inverts_its_layout(flux
     assert z.shape == traj.latents[:, -1].shape and torch.isfinite(z).all()
 
 
-@pytest.fixture(scope="module")
-def loop(tmp_path_factory):
-    cfg = tiny_config("algorithm.kl_beta=0.04", preset="tiny-cpu-flux2")
+@pytest.fixture(scope="module", params=["tiny-cpu-flux2", "tiny-cpu-flux2-klein"])
+def loop(request, tmp_path_factory):
+    cfg = tiny_config("algorithm.kl_beta=0.04", preset=request.param)
     lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
     lp.backend.push_weights(0)
     yield lp
@@ -102,6 +106,8 @@ def scored(loop):
 def test_recomputed_log_probs_equal_rollout_log_probs_and_the_split_does_not_change_the_gradient(loop, scored):
     traj, active = scored
     assert isinstance(loop.backend.worker.adapter, Flux2Adapter)
+    klein = isinstance(loop.backend.worker.adapter, Flux2KleinAdapter)
+    assert (traj.conditioning.negative_prompt_embeds is not None) == klein  # klein base: a CFG pass at 4
     assert recompute_diff(loop, traj) <= 1e-6
     assert split_rel_diff(loop, traj, active) <= 1e-5
 
@@ -115,8 +121,37 @@ def test_every_lora_parameter_changes_after_a_step(loop, scored):
     assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6
 
 
-def test_the_sglang_engine_refuses_flux2_naming_why():
+@pytest.mark.parametrize("family", ["flux2", "flux2-klein"])
+def test_the_sglang_engine_refuses_flux2_naming_why(family):
     from diffusionrl.rollout.sglang.server import SGLangServer, SGLangServerError
 
-    with pytest.raises(SGLangServerError, match="not 'flux2'.*not verified.*sampling.engine=local"):
-        SGLangServer("python", "/nonexistent", "fp32", family="flux2")
+    with pytest.raises(SGLangServerError, match=f"not '{family}'.*not verified.*sampling.engine=local"):
+        SGLangServer("python", "/nonexistent", "fp32", family=family)
+
+
+@pytest.fixture(scope="module")
+def klein():
+    return Flux2KleinAdapter(build_tiny_flux2_klein_pipeline(), device="cpu")
+
+
+def test_klein_is_its_own_family_and_the_stock_pipeline_loads_it(klein, tmp_path):
+    from diffusers import Flux2KleinPipeline
+
+    save_builtin(TINY_FLUX2_KLEIN_REF, tmp_path / "klein")
+    pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "klein")
+    assert adapter_class(str(tmp_path / "klein")) is Flux2KleinAdapter and pipe.config.is_distilled is False
+    assert Flux2KleinAdapter(pipe).digest() == klein.digest()
+    assert not klein.transformer.config.guidance_embeds
+
+
+@pytest.mark.parametrize("guidance", [4.0, 1.0])
+def test_ode_sampling_equals_the_stock_klein_pipeline(klein, guidance):
+    """A CFG pass on the empty negative prompt at 4, none at 1: <= 1e-5 (measured 0.0 and 1.2e-7; the
+    pipeline's latent output is the VAE's, renormalised and patchified by from_pipeline_latents)."""
+    spec = SamplingSpec(resolution=64, num_steps=4, guidance_scale=guidance, sde_type="ode", max_sequence_length=64)
+    traj = LocalRolloutEngine(klein, klein.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    assert (traj.conditioning.negative_prompt_embeds is not None) == (guidance > 1)
+    stock = klein.pipe(prompt=PROMPTS, num_inference_steps=4, height=64, width=64, max_sequence_length=64,
+                       latents=traj.latents[:, 0], output_type="latent", **klein.pipeline_kwargs(guidance, "")).images
+    diff = float((klein.from_pipeline_latents(stock, 64) - traj.latents[:, -1]).abs().max())
+    assert diff <= 1e-5, diff

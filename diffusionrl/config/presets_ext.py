@@ -161,6 +161,30 @@ FLUX2_DEV_PICKSCORE: dict[str, Any] = {
     "tracking": {"registered_model": "flux2-dev-pickscore"},
 }
 
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-flux2-klein (FLUX.2 [klein] base: no guidance embedding, a CFG pass
+# on the empty negative prompt at 4, two forwards a step), LoRA as tiny-cpu-flux2.
+TINY_CPU_FLUX2_KLEIN: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-flux2-klein", "lora_targets": FLUX2_LORA_TARGETS + ["proj_out"],
+              "max_sequence_length": 64},
+    "sampling": {"guidance_scale": 4.0},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-flux2-klein-jpeg"},
+}
+
+# FLUX.2 [klein] base 4B (black-forest-labs/FLUX.2-klein-base-4B, Apache-2.0; the undistilled variant BFL
+# names for fine-tuning; Qwen3-4B text encoder): Flow-GRPO on PickScore, bf16 with an fp32 LoRA r32/alpha64
+# on FLUX2_LORA_TARGETS, 512 px, 16 steps at CFG 4 (two forwards a step), a 2-step SDE window in the first
+# 8 steps, 8 ranks with colocated engines; ~8 GB transformer + ~8 GB text encoder per rank (80 GB GPUs).
+FLUX2_KLEIN_BASE_PICKSCORE: dict[str, Any] = {
+    **FLUX2_DEV_PICKSCORE,
+    "model": {**FLUX2_DEV_PICKSCORE["model"], "name": "black-forest-labs/FLUX.2-klein-base-4B"},
+    "sampling": {**FLUX2_DEV_PICKSCORE["sampling"], "num_steps": 16, "window_range": [0, 8]},
+    "train": {**FLUX2_DEV_PICKSCORE["train"], "prompts_per_step": 32, "micro_batch_size": 4,
+              "memory_handoff": False, "offload_optimizer": False},
+    "eval": {"num_steps": 50, "guidance_scale": 4.0, "num_prompts": 1024},
+    "tracking": {"registered_model": "flux2-klein-base-4b-pickscore"},
+}
+
 # Over TINY_CPU + TINY_CPU_WAN (presets.py): the same run on builtin:tiny-wan22, Wan2.2 A14B's two experts
 # (transformer for t >= 875, transformer_2 below), LoRA on both (model.lora_experts=high|low: one).
 TINY_CPU_WAN22: dict[str, Any] = {
@@ -185,8 +209,10 @@ TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-mixgrpo": (TINY_CPU_MIXGRPO,),
     "tiny-cpu-zimage": (TINY_CPU_ZIMAGE,),
     "tiny-cpu-flux2": (TINY_CPU_FLUX2,),
+    "tiny-cpu-flux2-klein": (TINY_CPU_FLUX2_KLEIN,),
 }
 GPU_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "zimage-turbo-pickscore": (ZIMAGE_TURBO_PICKSCORE,),
     "flux2-dev-pickscore": (FLUX2_DEV_PICKSCORE,),
+    "flux2-klein-base-4b-pickscore": (FLUX2_KLEIN_BASE_PICKSCORE,),
 }

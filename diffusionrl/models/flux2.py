@@ -25,7 +25,7 @@ import torch
 from diffusionrl.trajectory import Conditioning
 
 from .base import FlowAdapter
-from .tiny_flux2 import TINY_FLUX2_REF, build_tiny_flux2_pipeline
+from .tiny_flux2 import TINY_FLUX2_KLEIN_REF, TINY_FLUX2_REF, build_tiny_flux2_klein_pipeline, build_tiny_flux2_pipeline
 
 
 def unpack_tokens(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
@@ -83,8 +83,13 @@ class Flux2Adapter(FlowAdapter):
         cond: Conditioning,
         guidance_scale: float,
     ) -> torch.Tensor:
-        """One forward on the flattened latent tokens with the guidance embedding; float32 ``[B, C, H, W]``."""
+        """One forward on the flattened latent tokens (with the guidance embedding where the model has
+        one), and a second on the negative text where there is a CFG pass (FLUX.2 [klein] base:
+        ``v_neg + g (v - v_neg)``, as the pipeline); float32 ``[B, C, H, W]``."""
         pipe = type(self.pipe)
+        cfg = self.needs_negative(guidance_scale)
+        if cfg and cond.negative_prompt_embeds is None:
+            raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
         b, _, h, w = latents.shape
         dtype = self.forward_dtype(transformer)
         t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
@@ -93,18 +98,21 @@ class Flux2Adapter(FlowAdapter):
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(b)
         x = latents.to(self.device, dtype)
-        embeds = cond.prompt_embeds.to(self.device, dtype)
-        with self.autocast():
-            out = transformer(
-                hidden_states=pipe._pack_latents(x),
-                timestep=t / 1000,
-                guidance=guidance,
-                encoder_hidden_states=embeds,
-                txt_ids=pipe._prepare_text_ids(embeds).to(self.device),
-                img_ids=pipe._prepare_latent_ids(x).to(self.device),
-                return_dict=False,
-            )[0]
-        return unpack_tokens(out.float(), h, w)
+        tokens, img_ids = pipe._pack_latents(x), pipe._prepare_latent_ids(x).to(self.device)
+
+        def forward(embeds: torch.Tensor) -> torch.Tensor:
+            embeds = embeds.to(self.device, dtype)
+            with self.autocast():
+                out = transformer(hidden_states=tokens, timestep=t / 1000, guidance=guidance,
+                                  encoder_hidden_states=embeds, txt_ids=pipe._prepare_text_ids(embeds).to(self.device),
+                                  img_ids=img_ids, return_dict=False)[0]
+            return unpack_tokens(out.float(), h, w)
+
+        v = forward(cond.prompt_embeds)
+        if not cfg:
+            return v
+        v_neg = forward(cond.negative_prompt_embeds)
+        return v_neg + guidance_scale * (v - v_neg)
 
     # -- images: batch-norm statistics and the 2x2 patchify around the VAE ---------------------------
     def _bn(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,3 +137,31 @@ class Flux2Adapter(FlowAdapter):
         image = vae.decode(type(self.pipe)._unpatchify_latents(z * std + mean), return_dict=False)[0].float()
         image = (image / 2 + 0.5).clamp(0, 1)
         return (image.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).cpu().numpy()
+
+
+class Flux2KleinAdapter(Flux2Adapter):
+    """FLUX.2 [klein] (``Flux2KleinPipeline``): FLUX.2's transformer without a guidance embedding,
+    Qwen3's hidden states at layers 9, 18 and 27 (one user turn of its chat template, no system
+    message), and, for the undistilled base models (``is_distilled`` false), a CFG pass on the empty
+    negative prompt at ``g > 1``; the step-distilled models sample without one."""
+
+    family = "flux2-klein"
+    pipeline_class = "Flux2KleinPipeline"
+    builtin = TINY_FLUX2_KLEIN_REF
+    pipeline_logger = "diffusers.pipelines.flux2.pipeline_flux2_klein"
+
+    @staticmethod
+    def build_tiny():
+        return build_tiny_flux2_klein_pipeline()
+
+    def needs_negative(self, guidance_scale: float) -> bool:
+        return guidance_scale > 1.0 and not self.pipe.config.get("is_distilled", False)
+
+    def pipeline_kwargs(self, guidance_scale: float, negative_prompt) -> dict:
+        return {"guidance_scale": guidance_scale}  # the pipeline's negative prompt is always ""
+
+    def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+        # Flux2KleinPipeline's output_type="latent" is the VAE's latent (batch-norm undone, unpatchified)
+        z = type(self.pipe)._patchify_latents(latents)
+        mean, std = self._bn(z)
+        return (z - mean) / std

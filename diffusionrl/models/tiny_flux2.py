@@ -12,7 +12,12 @@ bytes), and FLUX.2's FlowMatchEulerDiscreteScheduler (dynamic shift: the pipelin
 ``mu`` of the image token count and the step count). Each constructor runs right after
 ``torch.manual_seed(TINY_SEED + k)``.
 
-``models.save_builtin(ref, dir)`` writes a folder that ``Flux2Pipeline.from_pretrained(dir)`` loads.
+``builtin:tiny-flux2-klein`` is FLUX.2 [klein] base's layout on the same transformer, VAE and scheduler:
+Qwen3ForCausalLM (27 layers, for the pipeline's layers 9, 18, 27) with ``models/tiny_zimage.py``'s
+tokenizer and Qwen3 chat template, no guidance embedding, ``is_distilled`` false (a CFG pass).
+
+``models.save_builtin(ref, dir)`` writes a folder that ``Flux2Pipeline.from_pretrained(dir)`` (or
+``Flux2KleinPipeline``) loads.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from .tiny import TINY_SEED, make_decoder_faithful
 from .tiny_qwen_image import build_qwen_tokenizer
 
 TINY_FLUX2_REF = "builtin:tiny-flux2"
+TINY_FLUX2_KLEIN_REF = "builtin:tiny-flux2-klein"
 MARKERS = ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]
 # Mistral Small 3.1's layout of a system and a user turn; message contents are lists of text parts.
 CHAT_TEMPLATE = (
@@ -45,14 +51,21 @@ def build_flux2_tokenizer():
     return tok
 
 
-def build_tiny_flux2_components() -> dict:
-    """All components of a tiny FLUX.2 [dev] pipeline, in eval mode, fp32, CPU."""
+def build_tiny_flux2_components(klein: bool = False) -> dict:
+    """All components of a tiny FLUX.2 [dev] pipeline (``klein``: FLUX.2 [klein] base: a Qwen3 text
+    encoder of 27 layers for its layers 9, 18, 27, no guidance embedding), in eval mode, fp32, CPU."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
-    tok = build_flux2_tokenizer()
-    torch.manual_seed(TINY_SEED + 41)
-    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+    from .tiny_zimage import build_zimage_tokenizer
+
+    tok = build_zimage_tokenizer() if klein else build_flux2_tokenizer()
+    torch.manual_seed(TINY_SEED + (44 if klein else 41))
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )) if klein else Mistral3ForConditionalGeneration(Mistral3Config(
         text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=16, intermediate_size=32,
                          num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                          max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, pad_token_id=0),
@@ -65,7 +78,7 @@ def build_tiny_flux2_components() -> dict:
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=128, num_layers=1, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=48,  # 3 text layers x hidden 16
-        timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
+        timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=not klein,
     )
 
     torch.manual_seed(TINY_SEED + 43)
@@ -92,3 +105,9 @@ def build_tiny_flux2_pipeline():
     from diffusers import Flux2Pipeline
 
     return Flux2Pipeline(**build_tiny_flux2_components())
+
+
+def build_tiny_flux2_klein_pipeline():
+    from diffusers import Flux2KleinPipeline
+
+    return Flux2KleinPipeline(**build_tiny_flux2_components(klein=True), is_distilled=False)

@@ -47,6 +47,8 @@ UNSERVED_FAMILIES = {
               "SD3 and FLUX.1 only",
     "flux2": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked for "
              "SD3 and FLUX.1 only",
+    "flux2-klein": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked "
+                   "for SD3 and FLUX.1 only",
 }
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
