@@ -16,6 +16,9 @@ What differs from SD3 (``models/sd3.py``), and where the adapter absorbs it:
 - Schedule: the scheduler's own sigmas (FlowMatchEuler with shift 3 for ``builtin:tiny-wan``; the
   hub model's UniPC scheduler with ``flow_shift`` and flow sigmas gives its sigmas the same way);
   the engine steps them with its Euler/SDE steps.
+- Wan2.2 A14B (``transformer_2`` and ``boundary_ratio`` in the pipeline): the two experts are one
+  ``WanExperts`` module that runs the expert of each call's timestep, as the pipeline does; the LoRA
+  goes on both or one (``model.lora_experts``, ``expert_targets``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from .base import FlowAdapter
 from .tiny_wan import TINY_WAN22_REF, TINY_WAN_REF, build_tiny_wan22_pipeline, build_tiny_wan_pipeline
 
 WAN_HUB_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-EXPERTS = ("high", "low")  # Wan2.2: the pipeline's transformer (high noise), transformer_2 (low noise)
 
 
 class WanExperts(torch.nn.Module):
@@ -66,7 +68,6 @@ class WanExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs):
         return getattr(self, self.expert(timestep))(hidden_states=hidden_states, timestep=timestep, **kwargs)
-
 
 
 class WanAdapter(FlowAdapter):
