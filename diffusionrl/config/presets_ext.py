@@ -37,6 +37,8 @@ ZIMAGE_LORA_TARGETS = [
 TINY_CPU_ZIMAGE: dict[str, Any] = {
     "model": {"name": "builtin:tiny-zimage", "lora_targets": ZIMAGE_LORA_TARGETS + ["linear"],
               "max_sequence_length": 64},
+    # lr 3e-2: 4.6 first-step stds in 25 steps (bench/learning.py --compare zimage --steps 25); 1.6 in 23 at 1e-2
+    "train": {"learning_rate": 3e-2},
     "sampling": {"guidance_scale": 4.0},
     "eval": {"guidance_scale": 4.0},
     "tracking": {"registered_model": "tiny-zimage-jpeg"},
@@ -107,10 +109,13 @@ FLUX2_LORA_TARGETS = [
 
 # Over TINY_CPU: Flow-GRPO on builtin:tiny-flux2 at FLUX.2 [dev]'s distilled guidance 4 (a transformer
 # input, no CFG pass), LoRA on FLUX2_LORA_TARGETS plus the output projection, 64 text tokens (the
-# templated system message takes ~30 of them).
+# templated system message takes ~30 of them). Learning rate 3e-2: the 0.1 M-parameter transformer
+# (width 32) gained 0.7 first-step stds in 40 steps at tiny-cpu's 1e-2, 10.7 in 25 steps at 3e-2
+# (bench/learning.py --compare flux2 --steps 25).
 TINY_CPU_FLUX2: dict[str, Any] = {
     "model": {"name": "builtin:tiny-flux2", "lora_targets": FLUX2_LORA_TARGETS + ["proj_out"],
               "max_sequence_length": 64},
+    "train": {"learning_rate": 3e-2},
     "sampling": {"guidance_scale": 4.0},
     "eval": {"guidance_scale": 4.0},
     "tracking": {"registered_model": "tiny-flux2-jpeg"},
@@ -166,6 +171,7 @@ FLUX2_DEV_PICKSCORE: dict[str, Any] = {
 TINY_CPU_FLUX2_KLEIN: dict[str, Any] = {
     "model": {"name": "builtin:tiny-flux2-klein", "lora_targets": FLUX2_LORA_TARGETS + ["proj_out"],
               "max_sequence_length": 64},
+    "train": {"learning_rate": 3e-2},  # as tiny-cpu-flux2: 3.7 first-step stds in 25 steps (0.03 at 1e-2)
     "sampling": {"guidance_scale": 4.0},
     "eval": {"guidance_scale": 4.0},
     "tracking": {"registered_model": "tiny-flux2-klein-jpeg"},
