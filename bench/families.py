@@ -17,8 +17,8 @@
 A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
 from the preset's model reference).
 
-    python bench/families.py [--families sd3,flux,qwen-image,wan] [--budget-s 600] [--repeats 5] [--threads 1]
-                             [--skip-learning]
+    python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,wan22] [--budget-s 600] [--repeats 5]
+                             [--threads 1] [--skip-learning]
 """
 
 from __future__ import annotations
@@ -42,11 +42,14 @@ from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 
 # family -> its tiny preset
-FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan"}
+FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan",
+            "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "flux2-klein": "tiny-cpu-flux2-klein",
+            "wan22": "tiny-cpu-wan22"}
 # The learning run's reward where it is not jpeg_compressibility alone: a video family learns its
 # preset's reward, per-frame JPEG compressibility + temporal consistency (on tiny-wan, 40 steps: the
 # per-frame JPEG reward alone gains ~0.7 first-step stds, the sum ~6).
-LEARNING_OVERRIDES = {"wan": ["reward.weights={jpeg_compressibility: 1.0, temporal_consistency: 1.0}"]}
+LEARNING_OVERRIDES = {video: ["reward.weights={jpeg_compressibility: 1.0, temporal_consistency: 1.0}"]
+                      for video in ("wan", "wan22")}
 PROMPTS = ["a red cat on the beach", "a blue car in the city", "a small house", "a golden cake on a table",
            "a green tree", "a black dog", "a silver robot", "a wooden boat"]
 

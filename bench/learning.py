@@ -4,8 +4,9 @@ Prints {"reward_first": ..., "reward_last3": ..., "gain_in_std": ..., "wall_s": 
 reward of the first step and of the last 3 steps, their difference in units of the first step's
 reward std, and the wall time. With ``--compare flow_grpo,nft`` each algorithm runs under the same
 wall-time budget (``--budget-s``) with its own preset (``tiny-cpu-<name>``, ``tiny-cpu`` for
-flow_grpo; ``dance`` is Flow-GRPO on ``tiny-cpu-dance``) and the result is
-{"flow_grpo": {...}, "nft": {...}}.
+flow_grpo; ``dance`` is Flow-GRPO on ``tiny-cpu-dance``, ``mixgrpo`` on ``tiny-cpu-mixgrpo``) and the result is
+{"flow_grpo": {...}, "nft": {...}}. Each result also has the median step, rollout and update times
+(``step_s``, ``rollout_s``, ``train_s``).
 
     python bench/learning.py [--steps N] [--budget-s S] [--compare flow_grpo,grpo_guard,dppo,awm,dpo,nft]
                              [--set key=value ...]
@@ -70,6 +71,9 @@ def run(algorithm: str | None, steps: int | None, budget_s: float | None, overri
         "gain_in_std": (last3 - rewards[0]) / std0 if std0 > 0 else float("nan"),
         "wall_s": round(wall, 1),
         "steps": len(rewards),
+        # medians over the steps: the whole step, its rollout and its update (s)
+        **{f"{k}_s": round(float(np.median([m[f"perf/{k}_time"] for m in loop.history])), 3)
+           for k in ("step", "rollout", "train")},
         "rewards": [round(r, 6) for r in rewards],
     }
 

@@ -128,6 +128,8 @@ def sde_step_mask(
     candidate_steps: list[int] | None = None,
     epoch: int = 0,
     seed: int = 0,
+    shift_interval: int = 1,
+    stride: int = 1,
 ) -> np.ndarray:
     """Boolean ``[G, T]`` mask of the stochastic steps of each sample group.
 
@@ -136,6 +138,10 @@ def sde_step_mask(
       ``window_range`` = [lo, hi), drawn from ``numpy.random.default_rng(group_seed)``.
     - ``epoch_random_choice``: ``num_sde_steps`` of ``candidate_steps``, seeded by
       ``epoch + seed``, the same for every group of the epoch.
+    - ``mix_window`` (MixGRPO's progressive sliding window): ``num_sde_steps`` contiguous steps,
+      the same for every group, starting at ``lo`` and moving ``stride`` steps later every
+      ``shift_interval`` RL steps (``epoch``); once the next start would leave [lo, hi) it
+      restarts at ``lo``. A function of the step alone, so a resumed run takes the same window.
     """
     groups = len(group_seeds)
     mask = np.zeros((groups, num_steps), dtype=bool)
@@ -150,6 +156,59 @@ def sde_step_mask(
         candidates = sorted(set(candidate_steps if candidate_steps is not None else range(num_steps - 1)))
         chosen = np.random.default_rng(epoch + seed).choice(candidates, size=num_sde_steps, replace=False)
         mask[:, chosen] = True
+    elif strategy == "mix_window":
+        start = mix_window_start(epoch, num_sde_steps, window_range, shift_interval, stride)
+        mask[:, start : start + num_sde_steps] = True
     else:
-        raise ValueError(f"unknown step strategy {strategy!r}; use all | sde_window | epoch_random_choice")
+        raise ValueError(f"unknown step strategy {strategy!r}; use all | sde_window | epoch_random_choice | mix_window")
     return mask
+
+
+def mix_window_start(step: int, size: int, window_range: tuple[int, int] | list[int], shift_interval: int = 1,
+                     stride: int = 1) -> int:
+    """First step of MixGRPO's window at RL step ``step``: ``lo + stride * k`` for the k-th of the
+    window's ``(hi - lo - size) // stride + 1`` positions in [lo, hi), k = ``step // shift_interval``
+    modulo the number of positions."""
+    lo, hi = int(window_range[0]), int(window_range[1])
+    positions = (hi - lo - size) // stride + 1
+    if positions < 1 or shift_interval < 1 or stride < 1:
+        raise ValueError(f"mix_window: no window of {size} steps fits [{lo}, {hi}) (stride {stride}, interval "
+                         f"{shift_interval})")
+    return lo + stride * ((int(step) // shift_interval) % positions)
+
+
+# -- DPM-Solver++(2M) on the flow-matching ODE (docs/algorithms.md 2) -------------------------------
+
+
+def dpm_solver_2m_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: float,
+    sigma_next: float,
+    x0_prev: torch.Tensor | None = None,
+    sigma_prev: float | None = None,
+    use_prev: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One DPM-Solver++ step of the probability-flow ODE (data prediction ``x0 = x - sigma v``,
+    ``alpha = 1 - sigma``, ``lambda = log(alpha / sigma)``); returns ``(x_next, x0)``.
+
+    Second order (2M: ``D = x0 + (x0 - x0_prev) / (2 r)``, ``r = h_prev / h``) for the samples where
+    ``use_prev`` ([B] bool, default all) holds and a previous data prediction at ``sigma_prev < 1``
+    is given; first order (``D = x0``, which is the Euler step) otherwise and on the last step
+    (``sigma_next = 0``, as diffusers' ``lower_order_final``). Float32, like ``step_with_logprob``.
+    """
+    x, v = x.float(), v.float()
+    sigma, sigma_next = float(sigma), float(sigma_next)
+    x0 = x - sigma * v
+    if sigma_next == 0.0:
+        return x0, x0
+    d = x0
+    if x0_prev is not None and sigma_prev is not None and float(sigma_prev) < 1.0 and sigma < 1.0:
+        lam = math.log((1 - sigma) / sigma)
+        h = math.log((1 - sigma_next) / sigma_next) - lam
+        r = (lam - math.log((1 - float(sigma_prev)) / float(sigma_prev))) / h
+        d2 = x0 + (x0 - x0_prev.float()) / (2 * r)
+        d = d2 if use_prev is None else torch.where(per_sample(use_prev.float(), x) > 0, d2, x0)
+    # x_next = (sigma_next / sigma) x - alpha_next (exp(-h) - 1) D, exp(-h) = sigma_next alpha / (sigma alpha_next)
+    ratio = sigma_next / sigma
+    return ratio * x + ((1 - sigma_next) - ratio * (1 - sigma)) * d, x0

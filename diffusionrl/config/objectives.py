@@ -126,6 +126,13 @@ def check_objective_fit(cfg) -> None:
     if sc.same_latent and sc.engine == "sglang":
         raise ConfigError("sampling.same_latent is not available with sampling.engine=sglang (the server draws each "
                           "output's initial latent from its own seed); use sampling.engine=local")
+    if sc.engine == "sglang" and sc.step_strategy == "mix_window":
+        raise ConfigError("sampling.step_strategy=mix_window is not available with sampling.engine=sglang (MixGRPO's "
+                          "sliding window is not verified against SGLang's diffusion runtime); use "
+                          "sampling.engine=local")
+    if sc.engine == "sglang" and sc.ode_solver != "euler":
+        raise ConfigError(f"sampling.ode_solver={sc.ode_solver} is not available with sampling.engine=sglang (its "
+                          "server takes Euler ODE steps only); use sampling.engine=local")
     if name in SDE_OBJECTIVES and sc.engine == "sglang" and sc.sde_type == "dance":
         raise ConfigError(
             "sampling.sde_type=dance is not available with sampling.engine=sglang (the server samples sde or cps); "

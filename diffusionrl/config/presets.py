@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .presets_ext import GPU_EXT_PRESETS, TINY_CPU_WAN22, TINY_EXT_PRESETS, WAN22_T2V_A14B_OCR
 from .tree import lookup_preset
 
 # The attention projections the SD3.5 reference recipes adapt: the schema's default
@@ -385,7 +386,11 @@ PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     # tiny-cpu-nft's objective on builtin:tiny-wan (CFG-free ODE rollouts of the old policy)
     "tiny-cpu-wan-nft": (TINY_CPU, TINY_CPU_NFT, TINY_CPU_WAN, TINY_CPU_WAN_NFT),
     "wan21-t2v-1.3b-ocr": (WAN21_T2V_OCR,),
+    "tiny-cpu-wan22": (TINY_CPU, TINY_CPU_WAN, TINY_CPU_WAN22),
+    "wan22-t2v-a14b-ocr": (WAN21_T2V_OCR, WAN22_T2V_A14B_OCR),
 }
+# presets_ext.py (MixGRPO, Z-Image, FLUX.2, Wan2.2): its tiny change sets over TINY_CPU, its GPU recipes alone
+PRESETS.update({name: (TINY_CPU, *sets) for name, sets in TINY_EXT_PRESETS.items()} | GPU_EXT_PRESETS)
 
 
 def preset_changes(name: str) -> tuple[dict[str, Any], ...]:

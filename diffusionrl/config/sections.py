@@ -33,11 +33,14 @@ class ModelConfig:
     lora_alpha: int = option(16, "LoRA alpha (scale = alpha / r)")
     lora_init: str = option("gaussian", "peft init_lora_weights: gaussian | true (kaiming, B = 0 in both)")
     lora_targets: list[str] = option(SD3_LORA_TARGETS, "Module name suffixes that get a LoRA adapter")
+    lora_experts: str = option("both", "A model with two experts (Wan2.2 A14B): which gets the LoRA: both | high "
+                               "(transformer, high-noise steps) | low (transformer_2, low-noise steps)")
     gradient_checkpointing: bool = option(False, "Recompute transformer activations in backward")
 
     def __post_init__(self) -> None:
         check_choice("model", "dtype", self.dtype, ("float32", "float16", "bfloat16"))
         check_choice("model", "lora_init", self.lora_init, ("gaussian", "true"))
+        check_choice("model", "lora_experts", self.lora_experts, ("both", "high", "low"))
         check_device("model", "device", self.device)
         check_positive("model", "lora_rank", self.lora_rank)
         check_positive("model", "lora_alpha", self.lora_alpha)
@@ -58,11 +61,16 @@ class SamplingConfig:
     sde_type: str = option("sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode | dance "
                            "(DanceGRPO: constant noise g = noise_level)")
     noise_level: float = option(0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps, eta = 0.3 for dance)")
-    step_strategy: str = option("all", "Which steps are stochastic: all | sde_window | epoch_random_choice")
-    num_sde_steps: int = option(2, "Number of SDE steps for sde_window / epoch_random_choice")
+    step_strategy: str = option("all", "Which steps are stochastic: all | sde_window | epoch_random_choice | "
+                                "mix_window (MixGRPO: one window for all groups, sliding with training)")
+    num_sde_steps: int = option(2, "Number of SDE steps for sde_window / epoch_random_choice / mix_window")
     window_range: list[int] = option([0, 5], "[lo, hi): the SDE window lies inside these step indices")
+    window_shift_interval: int = option(25, "mix_window: RL steps between two moves of the window (MixGRPO's tau)")
+    window_stride: int = option(1, "mix_window: steps the window moves by (MixGRPO's s); it restarts at lo once "
+                                "it would leave window_range")
     candidate_steps: list[int] = option([0, 1, 2, 3, 4, 5, 6, 7, 8], "Steps epoch_random_choice draws from")
-    ode_solver: str = option("euler", "Deterministic solver for NFT rollouts and eval: euler | heun")
+    ode_solver: str = option("euler", "Deterministic solver for NFT rollouts, eval and the ODE steps outside an SDE "
+                             "window: euler | heun | dpm2m (DPM-Solver++(2M); with mix_window: MixGRPO-Flash)")
     same_latent: bool = option(False, "Training rollouts: a group's samples start from one initial latent (the "
                                "group's first seed; flow_grpo's sample.same_latent, DanceGRPO's init_same_noise), so "
                                "their reward spread comes from the trained SDE steps alone")
@@ -86,8 +94,11 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         check_choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode", "dance"))
-        check_choice("sampling", "step_strategy", self.step_strategy, ("all", "sde_window", "epoch_random_choice"))
-        check_choice("sampling", "ode_solver", self.ode_solver, ("euler", "heun"))
+        check_choice("sampling", "step_strategy", self.step_strategy,
+                     ("all", "sde_window", "epoch_random_choice", "mix_window"))
+        check_choice("sampling", "ode_solver", self.ode_solver, ("euler", "heun", "dpm2m"))
+        check_positive("sampling", "window_shift_interval", self.window_shift_interval)
+        check_positive("sampling", "window_stride", self.window_stride)
         check_choice("sampling", "engine", self.engine, ("local", "sglang"))
         if not 0 <= self.sglang_port <= 65535:
             raise ConfigError(f"sampling.sglang_port={self.sglang_port} must be in [0, 65535] (0 picks a free port)")
@@ -106,7 +117,7 @@ class SamplingConfig:
         check_positive("sampling", "noise_level", self.noise_level, allow_zero=True)
         if self.step_strategy != "all":
             check_positive("sampling", "num_sde_steps", self.num_sde_steps)
-        if self.step_strategy == "sde_window":
+        if self.step_strategy in ("sde_window", "mix_window"):
             if len(self.window_range) != 2:
                 raise ConfigError(f"sampling.window_range={self.window_range} must be [lo, hi)")
             lo, hi = self.window_range

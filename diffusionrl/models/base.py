@@ -85,7 +85,8 @@ def module_digest(modules: dict[str, torch.nn.Module]) -> str:
         for name, tensor in sorted(modules[prefix].state_dict().items()):
             t = tensor.detach().cpu().contiguous()
             h.update(f"{prefix}.{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            # reshape(-1): the same bytes, and 0-d tensors too (a BatchNorm's num_batches_tracked)
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
@@ -142,17 +143,27 @@ class FlowAdapter:
         """Linear layers whose output cannot change the prediction (exact-zero gradient): left out."""
         return set()
 
-    def lora_targets(self, suffixes: list[str]) -> list[str]:
-        """Full module names of the transformer's linear layers that end with one of ``suffixes``."""
+    def lora_targets(self, suffixes: list[str], experts: str = "both") -> list[str]:
+        """Full module names of the transformer's linear layers that end with one of ``suffixes``
+        (of one expert only where ``experts`` names it: ``expert_targets``)."""
         dead = self.dead_lora_targets()
         names = [
             name
             for name, module in self.transformer.named_modules()
             if isinstance(module, torch.nn.Linear) and any(name.endswith(s) for s in suffixes) and name not in dead
         ]
+        if experts != "both":
+            names = self.expert_targets(names, experts)
         if not names:
             raise ValueError(f"no transformer module matches the LoRA targets {suffixes}")
         return names
+
+    def expert_targets(self, names: list[str], experts: str) -> list[str]:
+        """The LoRA target ``names`` of expert ``experts`` (a family with several experts: Wan2.2)."""
+        from diffusionrl.config import ConfigError
+
+        raise ConfigError(f"model.lora_experts={experts}: {self.family} has one transformer, not two experts "
+                          "(Wan2.2); set model.lora_experts=both")
 
     @property
     def vae_scale_factor(self) -> int:
@@ -202,6 +213,12 @@ class FlowAdapter:
     def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         """The stock pipeline's ``output_type="latent"`` output -> spatial latents ``[B, C, H, W]``."""
         return latents
+
+    @staticmethod
+    def served_guidance(guidance_scale: float) -> float:
+        """The stock pipeline's ``guidance_scale`` argument that samples as our ``guidance_scale`` does
+        (what the registered model's ``guidance_scale`` param defaults to)."""
+        return guidance_scale
 
     def pipeline_kwargs(self, guidance_scale: float, negative_prompt: str | list[str]) -> dict:
         """The guidance arguments of the stock pipeline's ``__call__`` that sample as ``velocity`` does

@@ -12,6 +12,11 @@ The tokenizer is the tiny T5 (sentencepiece-style) tokenizer of ``models/tiny.py
 constructed right after ``torch.manual_seed(TINY_SEED + k)``, so every machine with the same torch
 version builds the same weights. 32 px x 5 frames -> latents ``[16, 2, 4, 4]``.
 
+``builtin:tiny-wan22`` is Wan2.2 A14B's layout on the same components: a second transformer of the
+same architecture with its own weights (``transformer_2``, the low-noise expert) and
+``boundary_ratio`` 0.875 (Wan2.2-T2V-A14B's): ``transformer`` denoises at ``t >= 875``, ``transformer_2``
+below.
+
 ``models.save_builtin(ref, dir)`` writes a folder that ``WanPipeline.from_pretrained(dir)`` loads.
 """
 
@@ -22,24 +27,14 @@ import torch
 from .tiny import TINY_SEED, build_tokenizers
 
 TINY_WAN_REF = "builtin:tiny-wan"
+TINY_WAN22_REF = "builtin:tiny-wan22"
+WAN22_BOUNDARY_RATIO = 0.875  # Wan2.2-T2V-A14B's model_index.json
 
 
-def build_tiny_wan_components() -> dict:
-    """All components of a tiny Wan2.1 T2V pipeline, in eval mode, fp32, CPU."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
+def build_tiny_wan_transformer():
+    from diffusers import WanTransformer3DModel
 
-    _, t5_tok = build_tokenizers()
-
-    torch.manual_seed(TINY_SEED + 21)
-    umt5 = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(t5_tok), d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0,
-        eos_token_id=1, decoder_start_token_id=0,
-    ))
-
-    torch.manual_seed(TINY_SEED + 22)
-    transformer = WanTransformer3DModel(
+    return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=24,  # RoPE axes: 8 (frames) + 8 (rows) + 8 (columns)
@@ -54,6 +49,24 @@ def build_tiny_wan_components() -> dict:
         eps=1e-6,
         rope_max_seq_len=64,
     )
+
+
+def build_tiny_wan_components() -> dict:
+    """All components of a tiny Wan2.1 T2V pipeline, in eval mode, fp32, CPU."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    _, t5_tok = build_tokenizers()
+
+    torch.manual_seed(TINY_SEED + 21)
+    umt5 = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(t5_tok), d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0,
+    ))
+
+    torch.manual_seed(TINY_SEED + 22)
+    transformer = build_tiny_wan_transformer()
 
     torch.manual_seed(TINY_SEED + 23)
     vae = AutoencoderKLWan(
@@ -84,3 +97,12 @@ def build_tiny_wan_pipeline():
     from diffusers import WanPipeline
 
     return WanPipeline(**build_tiny_wan_components())
+
+
+def build_tiny_wan22_pipeline():
+    from diffusers import WanPipeline
+
+    torch.manual_seed(TINY_SEED + 24)
+    transformer_2 = build_tiny_wan_transformer().eval().requires_grad_(False)
+    return WanPipeline(**build_tiny_wan_components(), transformer_2=transformer_2,
+                       boundary_ratio=WAN22_BOUNDARY_RATIO)

@@ -16,6 +16,9 @@ What differs from SD3 (``models/sd3.py``), and where the adapter absorbs it:
 - Schedule: the scheduler's own sigmas (FlowMatchEuler with shift 3 for ``builtin:tiny-wan``; the
   hub model's UniPC scheduler with ``flow_shift`` and flow sigmas gives its sigmas the same way);
   the engine steps them with its Euler/SDE steps.
+- Wan2.2 A14B (``transformer_2`` and ``boundary_ratio`` in the pipeline): the two experts are one
+  ``WanExperts`` module that runs the expert of each call's timestep, as the pipeline does; the LoRA
+  goes on both or one (``model.lora_experts``, ``expert_targets``).
 """
 
 from __future__ import annotations
@@ -26,24 +29,82 @@ import torch
 from diffusionrl.trajectory import Conditioning
 
 from .base import FlowAdapter
-from .tiny_wan import TINY_WAN_REF, build_tiny_wan_pipeline
+from .tiny_wan import TINY_WAN22_REF, TINY_WAN_REF, build_tiny_wan22_pipeline, build_tiny_wan_pipeline
 
 WAN_HUB_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 
 
+class WanExperts(torch.nn.Module):
+    """Wan2.2's two experts as one transformer: ``high`` (the pipeline's ``transformer``) at timesteps
+    ``t >= boundary`` (``boundary_ratio * num_train_timesteps``), ``low`` (``transformer_2``) below,
+    as ``WanPipeline.__call__`` picks them. A call's samples must all be on one side (a step's are:
+    they share its timestep), so rollout and recompute of a step use the same expert."""
+
+    def __init__(self, high: torch.nn.Module, low: torch.nn.Module, boundary: float):
+        super().__init__()
+        self.high, self.low, self.boundary = high, low, float(boundary)
+
+    @property
+    def config(self):
+        return self.high.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.high.dtype
+
+    @property
+    def transformer_blocks(self) -> list[torch.nn.Module]:
+        return [*self.high.blocks, *self.low.blocks]
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.high.enable_gradient_checkpointing()
+        self.low.enable_gradient_checkpointing()
+
+    def expert(self, timestep) -> str:
+        high = torch.as_tensor(timestep).reshape(-1) >= self.boundary
+        if bool(high.all()) or not bool(high.any()):
+            return "high" if bool(high[0]) else "low"
+        raise ValueError(f"one forward of Wan2.2's experts got timesteps on both sides of the boundary {self.boundary}")
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs):
+        return getattr(self, self.expert(timestep))(hidden_states=hidden_states, timestep=timestep, **kwargs)
+
+
 class WanAdapter(FlowAdapter):
-    """Wan2.1 T2V behind the interface the engines and the trainer use."""
+    """Wan2.1 / Wan2.2 T2V behind the interface the engines and the trainer use. With a
+    ``transformer_2`` and a ``boundary_ratio`` (Wan2.2 A14B) the transformer is ``WanExperts``."""
 
     family = "wan"
     pipeline_class = "WanPipeline"
     builtin = TINY_WAN_REF
-    components = ("transformer", "vae", "text_encoder")
+    components = ("transformer", "transformer_2", "vae", "text_encoder")
     pipeline_logger = "diffusers.pipelines.wan.pipeline_wan"
     video = True
+
+    def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
+        super().__init__(pipe, device, autocast_dtype)
+        ratio = pipe.config.get("boundary_ratio")
+        self.experts = None
+        if getattr(pipe, "transformer_2", None) is not None and ratio is not None:
+            self.experts = WanExperts(pipe.transformer, pipe.transformer_2,
+                                      ratio * pipe.scheduler.config.num_train_timesteps)
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.experts if self.experts is not None else self.pipe.transformer
 
     @staticmethod
     def build_tiny():
         return build_tiny_wan_pipeline()
+
+    @classmethod
+    def builtins(cls) -> dict:
+        return {**super().builtins(), TINY_WAN22_REF: build_tiny_wan22_pipeline}
+
+    def expert_targets(self, names: list[str], experts: str) -> list[str]:
+        if self.experts is None:
+            return super().expert_targets(names, experts)
+        return [n for n in names if n.startswith(f"{experts}.")]
 
     @property
     def vae_scale_factor(self) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from diffusionrl.algorithms.sde import step_with_logprob
+from diffusionrl.algorithms.sde import dpm_solver_2m_step, step_with_logprob
 from diffusionrl.models.base import FlowAdapter
 from diffusionrl.trajectory import Conditioning, Trajectory
 
@@ -126,12 +126,21 @@ class LocalRolloutEngine:
             x = torch.stack([draw(s)[0] for s in latent_seeds]).to(device)
         states, lps = [x.cpu()], []
         mask_dev = mask.to(device)
+        hist: tuple = (None, None, None)  # dpm2m: the previous step's x0, sigma, and [m] "it was an ODE step"
         for i in range(spec.num_steps):
             v = self.adapter.velocity(self.transformer, x, timesteps[i], cond, spec.guidance_scale)
             eps = noise[:, i + 1]
-            if spec.sde_type == "ode" or not bool(mask[:, i].any()):
-                x_next = self._ode_step(x, v, sigmas, timesteps, i, cond, spec)
-                lp = torch.zeros(x.shape[0], device=device)
+            stochastic = spec.sde_type != "ode" and bool(mask[:, i].any())
+            m = mask_dev[:, i] if stochastic else torch.zeros(x.shape[0], dtype=torch.bool, device=device)
+            if spec.ode_solver == "dpm2m":  # per sample: its own history, whatever its micro-batch
+                ode, x0 = dpm_solver_2m_step(x, v, sigmas[i], sigmas[i + 1], *hist)
+                hist = (x0, sigmas[i], ~m)
+            elif not stochastic:
+                ode = self._ode_step(x, v, sigmas, timesteps, i, cond, spec)
+            else:  # per-sample step sets: Euler where this step is not stochastic
+                ode = x + v * (sigmas[i + 1] - sigmas[i])
+            if not stochastic:
+                x_next, lp = ode, torch.zeros(x.shape[0], device=device)
             else:
                 out = step_with_logprob(
                     v, x, sigmas[i], sigmas[i + 1], sde_type=spec.sde_type, noise_level=spec.noise_level,
@@ -139,9 +148,7 @@ class LocalRolloutEngine:
                 )
                 if bool(mask[:, i].all()):
                     x_next, lp = out.x_next, out.log_prob
-                else:  # per-sample step sets: ODE where this step is not stochastic
-                    ode = x + v * (sigmas[i + 1] - sigmas[i])
-                    m = mask_dev[:, i]
+                else:
                     x_next = torch.where(m.view(-1, *[1] * (x.ndim - 1)), out.x_next, ode)
                     lp = torch.where(m, out.log_prob, torch.zeros_like(out.log_prob))
             x = x_next

@@ -27,6 +27,12 @@ def diffusers_adapter_dir(peft_dir: str | Path, out: str | Path, pipeline_class:
     out.mkdir(parents=True, exist_ok=True)
     state = load_file(str(peft_dir / "adapter_model.safetensors"))
     state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
+    if any(k.startswith(("high.", "low.")) for k in state):
+        from diffusionrl.errors import UserError
+
+        raise UserError(f"{peft_dir}: a LoRA on Wan2.2's two experts (high./low. layers) has no diffusers LoRA file "
+                        "yet (WanPipeline's holds one transformer's layers), so it cannot be registered; use the peft "
+                        "folder (PeftModel on WanAdapter's WanExperts)")
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     metadata = {k: config[k] for k in ("r", "lora_alpha", "target_modules", "init_lora_weights", "lora_dropout",
                                         "bias", "use_dora", "use_rslora", "rank_pattern", "alpha_pattern")

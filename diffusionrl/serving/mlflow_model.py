@@ -41,7 +41,7 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
             from .video_model import log_video_lora_model
 
             return log_video_lora_model(run, cfg, adapter, base_ref, ADAPTER_FILE, example_prompt, metadata)
-        signature = model_signature(cfg)
+        signature = model_signature(cfg, family)
         # what mlflow.diffusers.log_model does, its pyfunc loader behind the bounds (request_limits.save_model)
         return Model.log(
             artifact_path=None,

@@ -4,19 +4,21 @@ generation params' defaults, within ``request_limits.LIMITS``."""
 from __future__ import annotations
 
 
-def image_params(cfg) -> dict:
+def image_params(cfg, family=None) -> dict:
     """The served image model's generation params: this run's evaluation settings, which must lie
-    within ``request_limits.LIMITS`` (a model whose own defaults it would refuse is not logged)."""
+    within ``request_limits.LIMITS`` (a model whose own defaults it would refuse is not logged). The
+    guidance scale is the stock pipeline's argument (``family.served_guidance``: Z-Image counts from 0)."""
     from .request_limits import check_params
 
     res = cfg.sampling.eval_resolution or cfg.sampling.resolution  # evaluation.eval_resolution
-    params = {"num_inference_steps": cfg.eval.num_steps, "guidance_scale": float(cfg.eval.guidance_scale),
+    guidance = float(cfg.eval.guidance_scale if family is None else family.served_guidance(cfg.eval.guidance_scale))
+    params = {"num_inference_steps": cfg.eval.num_steps, "guidance_scale": guidance,
               "height": res, "width": res, "negative_prompt": cfg.sampling.negative_prompt}
     return check_params(params, where="the served model's defaults (eval.num_steps, eval.guidance_scale, "
                                       "sampling.eval_resolution, sampling.negative_prompt)")
 
 
-def model_signature(cfg):
+def model_signature(cfg, family=None):
     """prompt -> PNG bytes; generation params default to this run's evaluation settings. ``ParamSpec``
     has no bounds: ``predict`` checks them (``request_limits``; the model's ``request_limits`` metadata)."""
     from mlflow.models import ModelSignature
@@ -27,5 +29,6 @@ def model_signature(cfg):
     return ModelSignature(
         inputs=Schema([ColSpec(type=DataType.string, name="prompt")]),
         outputs=Schema([ColSpec(type=DataType.binary, name="image")]),
-        params=ParamSchema([ParamSpec(name=k, dtype=types[type(v)], default=v) for k, v in image_params(cfg).items()]),
+        params=ParamSchema([ParamSpec(name=k, dtype=types[type(v)], default=v)
+                            for k, v in image_params(cfg, family).items()]),
     )

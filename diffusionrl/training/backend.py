@@ -110,6 +110,8 @@ class ImageBackend:
             candidate_steps=sc.candidate_steps,
             epoch=step,
             seed=cfg.train.seed,
+            shift_interval=sc.window_shift_interval,
+            stride=sc.window_stride,
         )
         return prompts, group_ids, seeds, np.repeat(mask, k, axis=0), metadata
 

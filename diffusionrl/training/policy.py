@@ -22,7 +22,7 @@ class LoraPolicy:
 
     def __init__(self, adapter: FlowAdapter, model_cfg, seed: int = 0):
         self.adapter = adapter
-        targets = adapter.lora_targets(list(model_cfg.lora_targets))
+        targets = adapter.lora_targets(list(model_cfg.lora_targets), model_cfg.lora_experts)
         lora_cfg = LoraConfig(
             r=model_cfg.lora_rank,
             lora_alpha=model_cfg.lora_alpha,

@@ -80,7 +80,8 @@ class Trainer:
             loss_sum, unit_stats = unit.compute()
             if not torch.isfinite(loss_sum):
                 return False
-            self.scaler.scale(loss_sum / total).backward()
+            if loss_sum.requires_grad:  # else no trained tensor reaches it (a step of the Wan2.2 expert
+                self.scaler.scale(loss_sum / total).backward()  # without a LoRA): its gradient is exactly 0
             for key, value in unit_stats.items():
                 stats.add(prefix + key, float(value), unit.count)
         return True

@@ -268,7 +268,7 @@ class SGLangRolloutEngine:
         if spec.same_latent:
             raise NotImplementedError("the sglang engine cannot share a group's initial latent (sampling.same_latent):"
                                       " its server draws each output's latent from its own seed; use the local engine")
-        if spec.sde_type == "ode" and spec.ode_solver != "euler":
+        if spec.ode_solver != "euler":  # also the ODE steps outside an SDE window
             raise NotImplementedError(f"the sglang engine samples ODE steps with Euler only, not {spec.ode_solver!r}")
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
         plan = plan_requests(batch.prompts, batch.seeds, batch.sde_mask, spec, self.outputs_per_request, self.cfg_pass)

@@ -38,10 +38,17 @@ log = logging.getLogger(__name__)
 # text encoders: one precision each).
 SERVED_FAMILIES = {"sd3": ("stable-diffusion-3-medium-diffusers", 3), "flux": ("FLUX.1-dev", 2)}
 SD3_MODEL_ID = SERVED_FAMILIES["sd3"][0]
-# Families SGLang 0.5.23 has a native pipeline for but that the engine cannot serve, and why (docs/sglang.md).
+# Families the engine does not serve, and why (docs/sglang.md): Wan (SGLang 0.5.23 has its pipeline, the CPU
+# kernel fails) and families not verified with SGLang here.
 UNSERVED_FAMILIES = {
     "wan": "on CPU SGLang's Wan DiT calls torch.ops.sgl_kernel.fused_norm_scale_shift_cpu, which the installed "
            "sgl_kernel lacks: /rollout/generate answers HTTP 500 on the first forward",
+    "zimage": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked for "
+              "SD3 and FLUX.1 only",
+    "flux2": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked for "
+             "SD3 and FLUX.1 only",
+    "flux2-klein": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked "
+                   "for SD3 and FLUX.1 only",
 }
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 

@@ -1,0 +1,224 @@
+"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2 and Wan2.2.
+
+``TINY_EXT_PRESETS`` are laid over ``presets.TINY_CPU`` (as every ``tiny-cpu-*`` preset);
+``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both, and
+lays the Wan2.2 change sets over its Wan2.1 ones.
+The GPU recipes are not run here (no GPU, no network): their hub ids are the models' official
+repositories, pinned to no revision (the default branch; set ``model.revision`` to a commit to pin).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Over TINY_CPU: MixGRPO's sliding window (docs/algorithms.md 3): 2 SDE steps for every group, starting at
+# step 0 and moving one step later every 10 RL steps over [0, 6); ODE (Euler) steps outside it.
+# MixGRPO-Flash: --set sampling.ode_solver=dpm2m.
+TINY_CPU_MIXGRPO: dict[str, Any] = {
+    "sampling": {"step_strategy": "mix_window", "num_sde_steps": 2, "window_range": [0, 6],
+                 "window_shift_interval": 10, "window_stride": 1},
+}
+
+# Z-Image's blocks (noise refiner, context refiner, joint layers): attention projections and the
+# SwiGLU feed-forward (w1, w3 in, w2 out).
+ZIMAGE_LORA_TARGETS = [
+    "attention.to_q",
+    "attention.to_k",
+    "attention.to_v",
+    "attention.to_out.0",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+]
+
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-zimage with a CFG pass at 4 (Z-Image's base-model regime; the
+# Turbo recipe below samples without one), LoRA on every block plus the final projection ("linear"),
+# prompts of up to 64 Qwen3 tokens after the chat template.
+TINY_CPU_ZIMAGE: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-zimage", "lora_targets": ZIMAGE_LORA_TARGETS + ["linear"],
+              "max_sequence_length": 64},
+    # lr 3e-2: 4.6 first-step stds in 25 steps (bench/learning.py --compare zimage --steps 25); 1.6 in 23 at 1e-2
+    "train": {"learning_rate": 3e-2},
+    "sampling": {"guidance_scale": 4.0},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-zimage-jpeg"},
+}
+
+# Z-Image-Turbo (Tongyi-MAI/Z-Image-Turbo, 6B single-stream DiT, Qwen3-4B text encoder, FLUX VAE), Flow-GRPO
+# on PickScore: bf16 weights with an fp32 LoRA r64/alpha128 on ZIMAGE_LORA_TARGETS, gradient checkpointing,
+# 512 px, the model's 8 steps without CFG (guidance-distilled: our guidance_scale 1 = the pipeline's 0),
+# a 2-step SDE window in the first 4 steps, 8 FSDP2 ranks with colocated local engines that hand their
+# memory to the trainer (memory_handoff) and an offloaded optimizer.
+ZIMAGE_TURBO_PICKSCORE: dict[str, Any] = {
+    "model": {
+        "name": "Tongyi-MAI/Z-Image-Turbo",
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_sequence_length": 512,
+        "lora_rank": 64,
+        "lora_alpha": 128,
+        "lora_targets": ZIMAGE_LORA_TARGETS,
+        "gradient_checkpointing": True,
+    },
+    "sampling": {"resolution": 512, "num_steps": 8, "guidance_scale": 1.0, "noise_level": 0.7,
+                 "step_strategy": "sde_window", "num_sde_steps": 2, "window_range": [0, 4]},
+    "algorithm": {"kl_beta": 0.0, "global_std": True, "adv_clip_max": 5.0},
+    "reward": {"weights": {"pickscore": 1.0}},
+    "train": {
+        "steps": 1000,
+        "prompts_per_step": 32,
+        "group_size": 16,
+        "micro_batch_size": 4,
+        "minibatches": 2,
+        "learning_rate": 1e-4,
+        "mixed_precision": "bf16",
+        "ema": True,
+        "ema_decay": 0.9,
+        "checkpoint_every": 30,
+        "log_images_every": 30,
+        "save_latents": False,
+        "world_size": 8,
+        "placement": "colocate",
+        "rollout_engines": 8,
+        "cpus_per_bundle": 4,
+        "memory_handoff": True,
+        "offload_optimizer": True,
+    },
+    "eval": {"num_steps": 8, "guidance_scale": 1.0, "num_prompts": 1024},
+    "tracking": {"registered_model": "zimage-turbo-pickscore"},
+}
+
+# FLUX.2's blocks: both streams' attention projections and SwiGLU feed-forwards in the double-stream
+# blocks, the fused QKV+MLP input and the output projection of the single-stream blocks.
+FLUX2_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.linear_in",
+    "ff.linear_out",
+    "ff_context.linear_in",
+    "ff_context.linear_out",
+    "attn.to_qkv_mlp_proj",
+    "attn.to_out",
+]
+
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-flux2 at FLUX.2 [dev]'s distilled guidance 4 (a transformer
+# input, no CFG pass), LoRA on FLUX2_LORA_TARGETS plus the output projection, 64 text tokens (the
+# templated system message takes ~30 of them). Learning rate 3e-2: the 0.1 M-parameter transformer
+# (width 32) gained 0.7 first-step stds in 40 steps at tiny-cpu's 1e-2, 10.7 in 25 steps at 3e-2
+# (bench/learning.py --compare flux2 --steps 25).
+TINY_CPU_FLUX2: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-flux2", "lora_targets": FLUX2_LORA_TARGETS + ["proj_out"],
+              "max_sequence_length": 64},
+    "train": {"learning_rate": 3e-2},
+    "sampling": {"guidance_scale": 4.0},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-flux2-jpeg"},
+}
+
+# FLUX.2 [dev] (black-forest-labs/FLUX.2-dev, gated: HF_TOKEN; a 32B transformer and Mistral Small 3.1
+# 24B as text encoder), Flow-GRPO on PickScore: bf16 with an fp32 LoRA r32/alpha64 on FLUX2_LORA_TARGETS,
+# gradient checkpointing, 512 px, 10 steps at the distilled guidance 4, a 2-step SDE window in the first 5
+# steps, one image per micro-batch. Memory: every rank holds the whole pipeline (~64 GB transformer +
+# ~48 GB text encoder in bf16) before FSDP2 shards the trained transformer, so this needs 141 GB GPUs
+# (H200 class); the rollout engines hand their memory to the trainer and the optimizer is offloaded.
+FLUX2_DEV_PICKSCORE: dict[str, Any] = {
+    "model": {
+        "name": "black-forest-labs/FLUX.2-dev",
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_sequence_length": 512,
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "lora_targets": FLUX2_LORA_TARGETS,
+        "gradient_checkpointing": True,
+    },
+    "sampling": {"resolution": 512, "num_steps": 10, "guidance_scale": 4.0, "noise_level": 0.7,
+                 "step_strategy": "sde_window", "num_sde_steps": 2, "window_range": [0, 5]},
+    "algorithm": {"kl_beta": 0.0, "global_std": True, "adv_clip_max": 5.0},
+    "reward": {"weights": {"pickscore": 1.0}},
+    "train": {
+        "steps": 1000,
+        "prompts_per_step": 16,
+        "group_size": 16,
+        "micro_batch_size": 1,
+        "minibatches": 2,
+        "learning_rate": 1e-4,
+        "mixed_precision": "bf16",
+        "ema": True,
+        "ema_decay": 0.9,
+        "checkpoint_every": 30,
+        "log_images_every": 30,
+        "save_latents": False,
+        "world_size": 8,
+        "placement": "colocate",
+        "rollout_engines": 8,
+        "cpus_per_bundle": 4,
+        "memory_handoff": True,
+        "offload_optimizer": True,
+    },
+    "eval": {"num_steps": 28, "guidance_scale": 4.0, "num_prompts": 1024},
+    "tracking": {"registered_model": "flux2-dev-pickscore"},
+}
+
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-flux2-klein (FLUX.2 [klein] base: no guidance embedding, a CFG pass
+# on the empty negative prompt at 4, two forwards a step), LoRA as tiny-cpu-flux2.
+TINY_CPU_FLUX2_KLEIN: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-flux2-klein", "lora_targets": FLUX2_LORA_TARGETS + ["proj_out"],
+              "max_sequence_length": 64},
+    "train": {"learning_rate": 3e-2},  # as tiny-cpu-flux2: 3.7 first-step stds in 25 steps (0.03 at 1e-2)
+    "sampling": {"guidance_scale": 4.0},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-flux2-klein-jpeg"},
+}
+
+# FLUX.2 [klein] base 4B (black-forest-labs/FLUX.2-klein-base-4B, Apache-2.0; the undistilled variant BFL
+# names for fine-tuning; Qwen3-4B text encoder): Flow-GRPO on PickScore, bf16 with an fp32 LoRA r32/alpha64
+# on FLUX2_LORA_TARGETS, 512 px, 16 steps at CFG 4 (two forwards a step), a 2-step SDE window in the first
+# 8 steps, 8 ranks with colocated engines; ~8 GB transformer + ~8 GB text encoder per rank (80 GB GPUs).
+FLUX2_KLEIN_BASE_PICKSCORE: dict[str, Any] = {
+    **FLUX2_DEV_PICKSCORE,
+    "model": {**FLUX2_DEV_PICKSCORE["model"], "name": "black-forest-labs/FLUX.2-klein-base-4B"},
+    "sampling": {**FLUX2_DEV_PICKSCORE["sampling"], "num_steps": 16, "window_range": [0, 8]},
+    "train": {**FLUX2_DEV_PICKSCORE["train"], "prompts_per_step": 32, "micro_batch_size": 4,
+              "memory_handoff": False, "offload_optimizer": False},
+    "eval": {"num_steps": 50, "guidance_scale": 4.0, "num_prompts": 1024},
+    "tracking": {"registered_model": "flux2-klein-base-4b-pickscore"},
+}
+
+# Over TINY_CPU + TINY_CPU_WAN (presets.py): the same run on builtin:tiny-wan22, Wan2.2 A14B's two experts
+# (transformer for t >= 875, transformer_2 below), LoRA on both (model.lora_experts=high|low: one).
+TINY_CPU_WAN22: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-wan22", "lora_experts": "both"},
+    "tracking": {"registered_model": "tiny-wan22-jpeg-temporal"},
+}
+
+# Over WAN21_T2V_OCR (presets.py): Wan2.2-T2V-A14B (two 14B experts split at boundary_ratio 0.875, UMT5,
+# the Wan2.1 VAE) on the same OCR recipe, LoRA r32 on both experts' attention, gradient checkpointing,
+# bf16. Memory: every rank loads both experts (~56 GB bf16) and UMT5 (~11 GB) before FSDP2 shards the
+# trained experts' blocks: 141 GB GPUs (H200 class). One guidance scale for both experts (the pipeline's
+# guidance_scale_2 is not used). Not run here; the two-expert LoRA is not registrable yet (lora_export).
+WAN22_T2V_A14B_OCR: dict[str, Any] = {
+    "model": {"name": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "lora_experts": "both"},
+    "sampling": {"guidance_scale": 4.0},
+    "train": {"micro_batch_size": 2},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "wan22-t2v-a14b-ocr"},
+}
+
+TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
+    "tiny-cpu-mixgrpo": (TINY_CPU_MIXGRPO,),
+    "tiny-cpu-zimage": (TINY_CPU_ZIMAGE,),
+    "tiny-cpu-flux2": (TINY_CPU_FLUX2,),
+    "tiny-cpu-flux2-klein": (TINY_CPU_FLUX2_KLEIN,),
+}
+GPU_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
+    "zimage-turbo-pickscore": (ZIMAGE_TURBO_PICKSCORE,),
+    "flux2-dev-pickscore": (FLUX2_DEV_PICKSCORE,),
+    "flux2-klein-base-4b-pickscore": (FLUX2_KLEIN_BASE_PICKSCORE,),
+}

@@ -1,0 +1,157 @@
+"""FLUX.2 through the model-family seam: builtin:tiny-flux2 (FLUX.2 [dev], loadable by the stock
+Flux2Pipeline) and builtin:tiny-flux2-klein (FLUX.2 [klein] base, Flux2KleinPipeline, a CFG pass): ODE
+parity with the stock pipelines (distilled guidance or CFG, the empirical mu schedule), the VAE round
+trip through the batch-norm statistics and the patchify, the exactness invariants (docs/algorithms.md
+section 11), the SGLang refusal."""
+
+import numpy as np
+import pytest
+import torch
+
+from diffusionrl.models import (
+    TINY_FLUX2_KLEIN_REF,
+    TINY_FLUX2_REF,
+    Flux2Adapter,
+    Flux2KleinAdapter,
+    adapter_class,
+    build_tiny_flux2_klein_pipeline,
+    build_tiny_flux2_pipeline,
+    module_digest,
+    save_builtin,
+)
+from diffusionrl.rollout.base import SamplingSpec
+from diffusionrl.rollout.local import LocalRolloutEngine
+from diffusionrl.train import build_loop
+
+from .conftest import tiny_config
+from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["a red cat", "a dog on the big beach"]
+
+
+@pytest.fixture(scope="module")
+def flux2():
+    return Flux2Adapter(build_tiny_flux2_pipeline(), device="cpu")
+
+
+def test_same_weights_on_every_build_and_the_stock_pipeline_loads_the_saved_folder(flux2, tmp_path):
+    from diffusers import Flux2Pipeline
+
+    again = build_tiny_flux2_pipeline()
+    assert module_digest({n: getattr(again, n) for n in flux2.components}) == flux2.digest()
+    save_builtin(TINY_FLUX2_REF, tmp_path / "tiny")
+    pipe = Flux2Pipeline.from_pretrained(tmp_path / "tiny")
+    out = pipe(prompt="a red cat", guidance_scale=4.0, num_inference_steps=2, height=32, width=32,
+               generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=64)
+    assert out.images.shape == (1, 32, 32, 3)
+    assert Flux2Adapter(pipe).digest() == flux2.digest()
+    assert adapter_class(str(tmp_path / "tiny")) is Flux2Adapter
+
+
+def test_the_prompt_survives_the_templated_system_message(flux2):
+    """The system message takes whole tokens, so the prompt fits in 64 tokens and changes the embedding."""
+    ids = flux2.pipe.tokenizer.apply_chat_template(
+        [[{"role": "system", "content": [{"type": "text", "text": flux2.pipe.system_message}]},
+          {"role": "user", "content": [{"type": "text", "text": PROMPTS[1]}]}]], tokenize=True, return_dict=True)
+    assert len(ids["input_ids"][0]) < 48
+    cond = flux2.encode_prompts(PROMPTS, None, 64)
+    assert cond.prompt_embeds.shape == (2, 64, 48) and cond.pooled_embeds.shape == (2, 0)
+    assert cond.negative_prompt_embeds is None  # guidance-distilled: no CFG pass
+    assert not torch.allclose(cond.prompt_embeds[0], cond.prompt_embeds[1])
+
+
+@pytest.mark.parametrize("resolution", [32, 64])
+def test_ode_sampling_equals_the_stock_flux2_pipeline(flux2, resolution):
+    """Same initial latents, the resolution-dependent empirical-mu schedule: <= 1e-5 (measured 0.0)."""
+    spec = SamplingSpec(resolution=resolution, num_steps=4, guidance_scale=4.0, sde_type="ode",
+                        max_sequence_length=64)
+    traj = LocalRolloutEngine(flux2, flux2.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    assert traj.latents.shape[2:] == (128, resolution // 16, resolution // 16)
+    stock = flux2.pipe(prompt=PROMPTS, num_inference_steps=4, height=resolution, width=resolution,
+                       max_sequence_length=64, latents=flux2.to_pipeline_latents(traj.latents[:, 0]),
+                       output_type="latent", **flux2.pipeline_kwargs(4.0, [""] * 2)).images
+    diff = float((flux2.from_pipeline_latents(stock, resolution) - traj.latents[:, -1]).abs().max())
+    assert diff <= 1e-5, diff
+    assert torch.equal(flux2.pipe.scheduler.sigmas.float(), traj.sigmas)
+    assert float((traj.latents[:, -1] - traj.latents[:, 0]).abs().max()) > 0.1
+
+
+def test_decode_is_the_stock_pipelines_and_encode_images_inverts_its_layout(flux2):
+    spec = SamplingSpec(resolution=32, num_steps=2, guidance_scale=4.0, sde_type="ode", max_sequence_length=64)
+    traj = LocalRolloutEngine(flux2, flux2.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    stock = flux2.pipe(prompt=PROMPTS, num_inference_steps=2, height=32, width=32, max_sequence_length=64,
+                       latents=traj.latents[:, 0], output_type="np", guidance_scale=4.0).images
+    assert np.abs(traj.images.astype(np.float64) - np.round(stock * 255)).max() <= 1
+    z = flux2.encode_images(traj.images)
+    assert z.shape == traj.latents[:, -1].shape and torch.isfinite(z).all()
+
+
+@pytest.fixture(scope="module", params=["tiny-cpu-flux2", "tiny-cpu-flux2-klein"])
+def loop(request, tmp_path_factory):
+    cfg = tiny_config("algorithm.kl_beta=0.04", preset=request.param)
+    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
+    lp.backend.push_weights(0)
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def scored(loop):
+    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
+    return traj, active
+
+
+def test_recomputed_log_probs_equal_rollout_log_probs_and_the_split_does_not_change_the_gradient(loop, scored):
+    traj, active = scored
+    assert isinstance(loop.backend.worker.adapter, Flux2Adapter)
+    klein = isinstance(loop.backend.worker.adapter, Flux2KleinAdapter)
+    assert (traj.conditioning.negative_prompt_embeds is not None) == klein  # klein base: a CFG pass at 4
+    assert recompute_diff(loop, traj) <= 1e-6
+    assert split_rel_diff(loop, traj, active) <= 1e-5
+
+
+def test_every_lora_parameter_changes_after_a_step(loop, scored):
+    traj, active = scored
+    params = " ".join(loop.backend.worker.policy.params)
+    assert "single_transformer_blocks.1.attn.to_qkv_mlp_proj" in params and "ff_context.linear_out" in params
+    unchanged, metrics = unchanged_after_update(loop, traj, active)
+    assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
+    assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["flux2", "flux2-klein"])
+def test_the_sglang_engine_refuses_flux2_naming_why(family):
+    from diffusionrl.rollout.sglang.server import SGLangServer, SGLangServerError
+
+    with pytest.raises(SGLangServerError, match=f"not '{family}'.*not verified.*sampling.engine=local"):
+        SGLangServer("python", "/nonexistent", "fp32", family=family)
+
+
+@pytest.fixture(scope="module")
+def klein():
+    return Flux2KleinAdapter(build_tiny_flux2_klein_pipeline(), device="cpu")
+
+
+def test_klein_is_its_own_family_and_the_stock_pipeline_loads_it(klein, tmp_path):
+    from diffusers import Flux2KleinPipeline
+
+    save_builtin(TINY_FLUX2_KLEIN_REF, tmp_path / "klein")
+    pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "klein")
+    assert adapter_class(str(tmp_path / "klein")) is Flux2KleinAdapter and pipe.config.is_distilled is False
+    assert Flux2KleinAdapter(pipe).digest() == klein.digest()
+    assert not klein.transformer.config.guidance_embeds
+
+
+@pytest.mark.parametrize("guidance", [4.0, 1.0])
+def test_ode_sampling_equals_the_stock_klein_pipeline(klein, guidance):
+    """A CFG pass on the empty negative prompt at 4, none at 1: <= 1e-5 (measured 0.0 and 1.2e-7; the
+    pipeline's latent output is the VAE's, renormalised and patchified by from_pipeline_latents)."""
+    spec = SamplingSpec(resolution=64, num_steps=4, guidance_scale=guidance, sde_type="ode", max_sequence_length=64)
+    traj = LocalRolloutEngine(klein, klein.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    assert (traj.conditioning.negative_prompt_embeds is not None) == (guidance > 1)
+    stock = klein.pipe(prompt=PROMPTS, num_inference_steps=4, height=64, width=64, max_sequence_length=64,
+                       latents=traj.latents[:, 0], output_type="latent", **klein.pipeline_kwargs(guidance, "")).images
+    diff = float((klein.from_pipeline_latents(stock, 64) - traj.latents[:, -1]).abs().max())
+    assert diff <= 1e-5, diff

@@ -1,0 +1,138 @@
+"""Wan2.2's two experts (``WanPipeline`` with ``transformer_2`` and ``boundary_ratio``) through
+``WanExperts``: builtin:tiny-wan22 loadable by the stock pipeline, ODE parity with it, each step on
+the expert the pipeline picks, LoRA on both experts or one, and the exactness invariants
+(docs/algorithms.md section 11) with SDE steps on both sides of the boundary."""
+
+import numpy as np
+import pytest
+import torch
+
+from diffusionrl.config import ConfigError
+from diffusionrl.models import (
+    TINY_WAN22_REF,
+    WanAdapter,
+    WanExperts,
+    adapter_class,
+    build_tiny_wan22_pipeline,
+    build_tiny_wan_pipeline,
+    save_builtin,
+)
+from diffusionrl.rollout.base import SamplingSpec
+from diffusionrl.rollout.local import LocalRolloutEngine
+from diffusionrl.train import build_loop
+from diffusionrl.training.trainer import UpdateStats
+
+from .conftest import tiny_config
+from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["a red cat", "a dog on the big beach"]
+SPEC = SamplingSpec(resolution=32, num_steps=6, guidance_scale=5.0, sde_type="ode", num_frames=5,
+                    max_sequence_length=32)
+
+
+@pytest.fixture(scope="module")
+def wan22():
+    return WanAdapter(build_tiny_wan22_pipeline(), device="cpu")
+
+
+def test_the_stock_pipeline_loads_the_saved_folder_with_both_experts(wan22, tmp_path):
+    from diffusers import WanPipeline
+
+    save_builtin(TINY_WAN22_REF, tmp_path / "tiny")
+    pipe = WanPipeline.from_pretrained(tmp_path / "tiny")
+    assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2 is not None
+    assert adapter_class(str(tmp_path / "tiny")) is WanAdapter
+    loaded = WanAdapter(pipe)
+    assert isinstance(loaded.transformer, WanExperts) and loaded.experts.boundary == 875.0
+    assert loaded.digest() == wan22.digest() != WanAdapter(build_tiny_wan_pipeline()).digest()  # transformer_2 counts
+
+
+def test_each_forward_runs_the_expert_the_pipeline_picks(wan22):
+    experts = wan22.experts
+    assert [experts.expert(t) for t in (1000.0, 875.0, 874.9, 10.0)] == ["high", "high", "low", "low"]
+    g = torch.Generator().manual_seed(0)
+    kw = dict(hidden_states=torch.randn(2, 16, 2, 4, 4, generator=g),
+              encoder_hidden_states=torch.randn(2, 8, 64, generator=g), return_dict=False)
+    with torch.no_grad():
+        for t, name in ((900.0, "high"), (500.0, "low")):
+            ts = torch.full((2,), t)
+            out = experts(timestep=ts, **kw)[0]
+            assert torch.equal(out, getattr(experts, name)(timestep=ts, **kw)[0])
+        with pytest.raises(ValueError, match="both sides of the boundary"):
+            experts(timestep=torch.tensor([900.0, 500.0]), **kw)
+
+
+@pytest.mark.parametrize("guidance", [5.0, 1.0])
+def test_ode_sampling_equals_the_stock_two_expert_pipeline(wan22, guidance):
+    """Same initial latents: <= 1e-5 (measured 0.0); one expert alone would give another video."""
+    spec = SamplingSpec(**{**SPEC.__dict__, "guidance_scale": guidance})
+    traj = LocalRolloutEngine(wan22, wan22.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    assert traj.timesteps[0] >= 875 > traj.timesteps[-1]  # steps on both sides of the boundary
+    stock = wan22.pipe(prompt=PROMPTS, negative_prompt=[""] * 2, num_inference_steps=6, height=32, width=32,
+                       num_frames=5, max_sequence_length=32, latents=traj.latents[:, 0], output_type="latent",
+                       guidance_scale=guidance).frames
+    assert float((stock - traj.latents[:, -1]).abs().max()) <= 1e-5
+    high_only = LocalRolloutEngine(wan22, wan22.experts.high, 2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    assert float((high_only.latents[:, -1] - traj.latents[:, -1]).abs().max()) > 1e-3
+
+
+def _loop(tmp_path, *extra):
+    cfg = tiny_config("algorithm.kl_beta=0.04", *extra, preset="tiny-cpu-wan22")
+    lp = build_loop(cfg, tmp_path, progress=False)
+    lp.backend.push_weights(0)
+    return lp
+
+
+def test_recompute_and_split_with_sde_steps_on_both_experts(tmp_path):
+    lp = _loop(tmp_path, "sampling.step_strategy=all")
+    traj, active, _ = lp.backend.score(lp.backend.rollout(0))
+    sde_t = traj.timesteps[traj.sde_mask[0]]
+    assert (sde_t >= 875).any() and (sde_t < 875).any()
+    params = " ".join(lp.backend.worker.policy.params)
+    assert "high.blocks.0.attn1.to_q" in params and "low.blocks.0.attn1.to_q" in params
+    assert recompute_diff(lp, traj) <= 1e-6
+    assert split_rel_diff(lp, traj, active) <= 1e-5
+    unchanged, metrics = unchanged_after_update(lp, traj, active)
+    assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
+    lp.close()
+
+
+def _grad_norm(lp) -> float:
+    traj, active, _ = lp.backend.score(lp.backend.rollout(0))
+    worker = lp.backend.worker
+    worker.trainer.optimizer.zero_grad(set_to_none=True)
+    units = worker.objective.units(traj, traj.micro_batches(), torch.ones_like(active), np.random.default_rng(0))
+    worker.trainer.accumulate(units, UpdateStats())
+    norm = sum(float(p.grad.norm()) for p in worker.policy.params.values() if p.grad is not None)
+    worker.trainer.optimizer.zero_grad(set_to_none=True)
+    return norm, traj
+
+
+@pytest.mark.parametrize("experts", ["low", "high"])
+def test_a_lora_on_one_expert_learns_only_from_that_experts_steps(tmp_path, experts):
+    """LoRA on one expert: its gradient is exactly 0 from SDE steps the other expert took, non-zero from its own."""
+    norms = {}
+    for window in ("[0, 1]", "[2, 3]"):  # step 0 (t = 1000, high) or step 2 (t < 875, low)
+        lp = _loop(tmp_path / window, f"model.lora_experts={experts}", "sampling.num_sde_steps=1",
+                   f"sampling.window_range={window}", "algorithm.kl_beta=0")
+        assert all(n.split(".")[2] == experts for n in lp.backend.worker.policy.params)  # base_model.model.<expert>
+        norms[window], traj = _grad_norm(lp)
+        lp.close()
+    own = "[0, 1]" if experts == "high" else "[2, 3]"
+    other = "[2, 3]" if experts == "high" else "[0, 1]"
+    assert norms[own] > 0 and norms[other] == 0.0
+
+
+def test_one_expert_lora_needs_two_experts_and_the_two_expert_lora_is_not_exported_yet(tmp_path):
+    with pytest.raises(ConfigError, match="lora_experts=low.*one transformer"):
+        build_loop(tiny_config("model.lora_experts=low"), tmp_path / "sd3", progress=False)
+    from diffusionrl.errors import UserError
+    from diffusionrl.serving.lora_export import diffusers_adapter_dir
+
+    lp = _loop(tmp_path / "run")
+    lp.backend.worker.policy.model.save_pretrained(str(tmp_path / "lora"))
+    lp.close()
+    with pytest.raises(UserError, match="Wan2.2's two experts .* cannot be registered"):
+        diffusers_adapter_dir(tmp_path / "lora", tmp_path / "out", "WanPipeline")

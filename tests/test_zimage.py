@@ -1,0 +1,120 @@
+"""Z-Image through the model-family seam: builtin:tiny-zimage (loadable by the stock ZImagePipeline),
+ODE parity with the stock pipeline with and without a CFG pass and with padded text (per-prompt
+lengths), the exactness invariants (docs/algorithms.md section 11), the SGLang refusal."""
+
+import pytest
+import torch
+
+from diffusionrl.models import (
+    TINY_ZIMAGE_REF,
+    ZImageAdapter,
+    adapter_class,
+    build_tiny_zimage_pipeline,
+    module_digest,
+    save_builtin,
+)
+from diffusionrl.rollout.base import SamplingSpec
+from diffusionrl.rollout.local import LocalRolloutEngine
+from diffusionrl.train import build_loop
+
+from .conftest import tiny_config
+from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["a red cat", "a dog on the big beach"]  # different lengths: the shorter one is padded
+
+
+@pytest.fixture(scope="module")
+def zimage():
+    return ZImageAdapter(build_tiny_zimage_pipeline(), device="cpu")
+
+
+def test_same_weights_on_every_build_and_the_stock_pipeline_loads_the_saved_folder(zimage, tmp_path):
+    from diffusers import ZImagePipeline
+
+    again = build_tiny_zimage_pipeline()
+    assert module_digest({n: getattr(again, n) for n in zimage.components}) == zimage.digest()
+    save_builtin(TINY_ZIMAGE_REF, tmp_path / "tiny")
+    pipe = ZImagePipeline.from_pretrained(tmp_path / "tiny")
+    out = pipe(prompt="a red cat", guidance_scale=3.0, num_inference_steps=2, height=32, width=32,
+               generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=64)
+    assert out.images.shape == (1, 32, 32, 3)
+    assert ZImageAdapter(pipe).digest() == zimage.digest()
+    assert adapter_class(str(tmp_path / "tiny")) is ZImageAdapter
+
+
+def test_each_prompt_keeps_its_own_tokens(zimage):
+    cond = zimage.encode_prompts(PROMPTS, "", 64)
+    lengths = cond.prompt_embeds_mask.sum(1).tolist()
+    assert lengths[0] < lengths[1] == cond.prompt_embeds.shape[1]
+    assert cond.pooled_embeds.shape == (2, 0) and cond.negative_prompt_embeds.shape[0] == 2
+    single = zimage.encode_prompts(PROMPTS[:1], None, 64)
+    torch.testing.assert_close(single.prompt_embeds[0], cond.prompt_embeds[0, : lengths[0]], rtol=1e-5, atol=1e-6)
+    assert single.negative_prompt_embeds is None
+
+
+@pytest.mark.parametrize("guidance", [4.0, 1.0])
+def test_ode_sampling_equals_the_stock_zimage_pipeline(zimage, guidance):
+    """Same initial latents; a CFG pass (ours 4.0 = the pipeline's 3.0) and none (1.0 = the pipeline's
+    0.0, Z-Image-Turbo's): <= 1e-5 (measured 1.9e-6 and 0.0)."""
+    spec = SamplingSpec(resolution=32, num_steps=4, guidance_scale=guidance, sde_type="ode", max_sequence_length=64)
+    traj = LocalRolloutEngine(zimage, zimage.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
+    assert traj.conditioning.prompt_embeds_mask is not None  # padded text goes through the mask
+    stock = zimage.pipe(prompt=PROMPTS, num_inference_steps=4, height=32, width=32, max_sequence_length=64,
+                        latents=traj.latents[:, 0], output_type="latent",
+                        **zimage.pipeline_kwargs(guidance, [""] * 2)).images
+    diff = float((stock - traj.latents[:, -1]).abs().max())
+    assert diff <= 1e-5, diff
+    assert torch.equal(zimage.pipe.scheduler.sigmas.float(), traj.sigmas)
+    assert float((traj.latents[:, -1] - traj.latents[:, 0]).abs().max()) > 0.1  # it did move
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    cfg = tiny_config("algorithm.kl_beta=0.04", preset="tiny-cpu-zimage")
+    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
+    lp.backend.push_weights(0)
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def scored(loop):
+    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
+    return traj, active
+
+
+def test_recomputed_log_probs_equal_rollout_log_probs_and_the_split_does_not_change_the_gradient(loop, scored):
+    traj, active = scored
+    assert isinstance(loop.backend.worker.adapter, ZImageAdapter)
+    assert traj.conditioning.negative_prompt_embeds is not None  # a CFG pass at 4.0
+    assert recompute_diff(loop, traj) <= 1e-6
+    assert split_rel_diff(loop, traj, active) <= 1e-5
+
+
+def test_every_lora_parameter_changes_after_a_step(loop, scored):
+    traj, active = scored
+    params = " ".join(loop.backend.worker.policy.params)
+    assert "context_refiner.0.feed_forward.w2" in params and "all_final_layer.2-1.linear" in params
+    unchanged, metrics = unchanged_after_update(loop, traj, active)
+    assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
+    assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6
+
+
+def test_the_sglang_engine_refuses_zimage_naming_why():
+    from diffusionrl.rollout.sglang.server import SGLangServer, SGLangServerError
+
+    with pytest.raises(SGLangServerError, match="not 'zimage'.*not verified.*sampling.engine=local"):
+        SGLangServer("python", "/nonexistent", "fp32", family="zimage")
+
+
+def test_the_served_guidance_default_is_the_pipelines_own_scale():
+    """The registered model's guidance_scale param is ZImagePipeline's (ours - 1): CFG 4 is its 3, and
+    Z-Image-Turbo's no-CFG (ours 1) its 0, which the request bounds accept."""
+    from diffusionrl.serving import image_params
+
+    assert image_params(tiny_config(preset="tiny-cpu-zimage"), ZImageAdapter)["guidance_scale"] == 3.0
+    turbo = tiny_config("eval.guidance_scale=1.0", "sampling.guidance_scale=1.0", preset="tiny-cpu-zimage")
+    assert image_params(turbo, ZImageAdapter)["guidance_scale"] == 0.0
+    assert image_params(turbo)["guidance_scale"] == 1.0  # every other family: ours
