@@ -19,13 +19,13 @@ from .config import BDLMConfig, load_bdlm_config
 from .evaluation import compare, decode_examples, eval_key, evaluate, evaluate_adapter
 from .gemma import DiffusionGemmaAdapter
 from .grpo import OBJECTIVE, OldPolicy, TraceGRPO, categorical_kl, grpo_token_terms
+from .loading import load_bdlm
 from .model import (
     VOCAB,
     HFMaskedLMAdapter,
     TinyBDLMAdapter,
     Vocab,
     frozen_copy,
-    load_bdlm,
     weights_digest,
 )
 from .replay import replay_canvas, replay_log_probs

@@ -23,7 +23,8 @@ from . import trace as trace_store
 from .config import BDLMConfig
 from .evaluation import decode_examples
 from .grpo import TraceGRPO
-from .model import RUN_INFO, frozen_copy, load_bdlm, weights_digest
+from .loading import load_bdlm
+from .model import RUN_INFO, frozen_copy, weights_digest
 from .objectives import OBJECTIVES, advantages_for
 from .task import Example, encode_prompts, make_splits, score
 from .trace import TraceBatch

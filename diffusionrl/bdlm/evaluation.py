@@ -12,7 +12,8 @@ import pandas as pd
 import torch
 
 from .config import BDLMConfig
-from .model import BDLMAdapter, load_bdlm
+from .loading import load_bdlm
+from .model import BDLMAdapter
 from .sampler import decode
 from .task import Example, encode_prompts, make_splits, parse_answer, score
 

@@ -19,7 +19,6 @@ import torch
 
 from .model import BDLMAdapter
 from .sampler import proposal_log_probs
-from .trace import TraceBatch
 
 
 def replay_canvas(targets: torch.Tensor, action_steps: torch.Tensor, step: int, mask_id: int) -> torch.Tensor:
@@ -46,13 +45,6 @@ def score_step(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor
 def steps_with_actions(action_steps: torch.Tensor) -> list[int]:
     """Global steps at which at least one row of the batch committed a token."""
     return sorted(int(s) for s in torch.unique(action_steps) if s >= 0)
-
-
-def replay_rows(adapter: BDLMAdapter, trace: TraceBatch, rows: slice, step: int) -> StepScores:
-    """One forward of ``rows`` at ``step`` (keeps the rows' composition, as in the rollout)."""
-    targets, steps = trace.targets[rows], trace.action_steps[rows]
-    logits = adapter.logits(replay_canvas(targets, steps, step, trace.vocab.mask))  # [m, L, V]
-    return score_step(logits, targets, steps == step, trace.temperature, trace.vocab.mask)
 
 
 def replay_log_probs(adapter: BDLMAdapter, trace, micro_batch_size: int | None = None) -> torch.Tensor:

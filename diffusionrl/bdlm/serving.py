@@ -24,7 +24,7 @@ class BDLMDecoder(mlflow.pyfunc.PythonModel):
     """pyfunc wrapper: ``predict`` takes a ``prompt`` column (or a list of strings)."""
 
     def load_context(self, context) -> None:
-        from .model import load_bdlm
+        from .loading import load_bdlm
 
         self.adapter = load_bdlm(context.artifacts["model"])
         self.settings = json.loads(Path(context.artifacts["decoding"]).read_text())

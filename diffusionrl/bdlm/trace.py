@@ -83,9 +83,12 @@ class TraceBatch:
         return self.action_steps[rows] == step  # [m, L]
 
     def score_unit(self, adapter, rows: slice, step: int):
-        from .replay import replay_rows
+        """One forward of ``rows`` at ``step`` (keeps the rows' composition, as in the rollout)."""
+        from .replay import replay_canvas, score_step
 
-        return replay_rows(adapter, self, rows, step)
+        targets, steps = self.targets[rows], self.action_steps[rows]
+        logits = adapter.logits(replay_canvas(targets, steps, step, self.vocab.mask))  # [m, L, V]
+        return score_step(logits, targets, steps == step, self.temperature, self.vocab.mask)
 
     def with_rewards(
         self, rewards: torch.Tensor, components: dict[str, torch.Tensor], advantages: torch.Tensor

@@ -16,7 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import BDLMConfig
-from .model import RUN_INFO, BDLMAdapter, load_bdlm, weights_digest
+from .loading import load_bdlm
+from .model import RUN_INFO, BDLMAdapter, weights_digest
 from .sampler import proposal_log_probs
 from .task import Example, encode_answers, encode_prompts, make_splits
 
