@@ -157,10 +157,12 @@ def test_check_fits_names_the_knob():
     big = Config.from_dict(apply_overrides(get_preset("flux1-dev-pickscore").to_dict(), [
         "train.world_size=1", "model.gradient_checkpointing=false", "train.micro_batch_size=24"]))
     with pytest.raises(PlanError) as err:
-        check_fits(big, "nvidia-l40s")
+        check_fits(big, "nvidia-h200")
     message = str(err.value)
     assert "\n" not in message and "does not fit" in message
-    assert "model.gradient_checkpointing=true" in message or "train.micro_batch_size=" in message
+    assert "fix with model.gradient_checkpointing=true: peak" in message and "train.micro_batch_size=" in message
+    with pytest.raises(PlanError, match="no knob fixes it alone or together"):
+        check_fits(big, "nvidia-l40s")
 
 
 def test_cli_and_docs_table(capsys):

@@ -92,6 +92,10 @@ def table() -> str:
                 p = plan(c, gpu)
                 weights = sum(v for k, v in p.train.items() if "weights" in k or "engine" in k or "encoders" in k)
                 acts = sum(v for k, v in p.train.items() if k.startswith(("activations", "backward")))
+                if p.refused:
+                    out.append(f"| {n} | {gpu} | {p.peak / GIB:.1f} ({p.phase}) | {'yes' if p.fits else 'no'}, but "
+                               f"not runnable | | | | | {p.refused} |")
+                    continue
                 fixes = [] if p.fits else [x.split(":")[0] for x in advise(c, gpu, base=p) if "still over" not in x]
                 fix = "; ".join(fixes) if fixes or p.fits else "none of the knobs alone or together"
                 out.append(f"| {n} | {gpu} | {p.peak / GIB:.1f} ({p.phase}) | {'yes' if p.fits else 'no'} | "

@@ -39,7 +39,8 @@ def check_fits(cfg, accelerator: str) -> str:
             f"{p.gpus} GPU(s); ~{p.step_s:.0f} s per training step, ~{p.rollout_s:.0f} s per rollout")
     if p.fits:
         return line
-    fixes = advise(cfg, gpu, base=p)
-    raise PlanError(f"the plan does not fit: {line}; fix with " + (" | ".join(fixes) if fixes else
-                    "no single knob: lower sampling.resolution or train.micro_batch_size and add GPUs")
-                    + " (python -m diffusionrl.plan for the parts)")
+    lines = advise(cfg, gpu, base=p)
+    fixes = [x for x in lines if "still over" not in x]
+    fix = ("fix with " + " | ".join(fixes) if fixes else
+           f"no knob fixes it alone or together ({'; '.join(lines) or 'none applies'}): use GPUs with more memory")
+    raise PlanError(f"the plan does not fit: {line}; {fix} (python -m diffusionrl.plan for the parts)")

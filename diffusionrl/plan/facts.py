@@ -45,8 +45,9 @@ def hub_facts(reference: str) -> dict:
     return facts
 
 
+@functools.cache
 def builtin_facts(reference: str) -> dict:
-    """Facts of a builtin tiny model, read from its built pipeline."""
+    """Facts of a builtin tiny model, read from its built pipeline (once per process; do not modify)."""
     from diffusionrl.models.families import adapter_class, builtin_builder
 
     cls = adapter_class(reference)

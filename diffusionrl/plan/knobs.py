@@ -83,7 +83,7 @@ def advise(cfg, gpu: str, gpu_memory: float | None = None, base: Plan | None = N
             micro_batch_found |= is_mb
             lines.append(f"{knob}: peak {new.peak / GIB:.1f} GiB; cost: {cost(base, new, knob, cfg)}")
     for n in WORLD_SIZES:
-        if n <= cfg.train.world_size:
+        if n <= cfg.train.world_size or cfg.algorithm.name != "flow_grpo":  # ranks.py: flow_grpo only
             continue
         new_cfg = scaled(cfg, n)
         if new_cfg is None:

@@ -286,11 +286,11 @@ def load_cache(path: Path = CACHE) -> dict:
 
 
 def builtin_config(reference: str) -> tuple[str, dict]:
-    """(family, transformer config) of a builtin tiny model, read from its builder."""
-    from diffusionrl.models.families import adapter_class, builtin_builder
+    """(family, transformer config) of a builtin tiny model, read from its builder (once per process)."""
+    from .facts import builtin_facts
 
-    family = adapter_class(reference).family
-    return family, dict(builtin_builder(reference)().transformer.config)
+    facts = builtin_facts(reference)
+    return facts["family"], facts["config"]
 
 
 # Hub models no preset uses yet, measured too: Qwen-Image in bf16 with flow_grpo's LoRA (r64, both streams).

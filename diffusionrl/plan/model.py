@@ -42,7 +42,7 @@ GPUS = {
     "L40S-48G": (46068 * 2**20, 362e12, 181e12),
 }
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-OLD_COPIES = {"nft": 1, "awm": 1, "grpo_guard": 1, "dppo": 1}  # fp32 LoRA copies an objective keeps
+OLD_COPIES = {"nft": 1, "grpo_guard": 1, "dppo": 1}  # fp32 LoRA copies (and no-grad forwards) of the old policy
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Plan:
     rollout_s: float
     unit_s: float = 0.0  # one work unit (forward + backward of one micro-batch at one timestep)
     notes: list[str] = field(default_factory=list)
+    refused: str = ""  # why the training code would refuse this config, if it would
     knobs: list[str] = field(default_factory=list)
 
     @property
@@ -205,4 +206,10 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     engines = 1 if W == 1 else max(1, tc.rollout_engines)
     rollout_s = (batch / engines) * s.num_steps * per_sample / flops_peak
     notes.append(f"{n_img} image + {n_txt} text tokens per forward; {len(batches)} forward(s) of {batches} per unit")
-    return Plan(W, mem, train, rollout, step_s, rollout_s, unit_flops / flops_peak, notes)
+    refused = ""
+    if W > 1 and ac.name != "flow_grpo":  # distributed/ranks.py
+        refused = f"world_size > 1 runs algorithm.name=flow_grpo only, not {ac.name}"
+        notes.append(f"refused at launch: {refused}")
+    elif W > 1 and not facts["fsdp_units"]:
+        refused = "fails at launch: distributed/fsdp.py shards transformer_blocks, which this model lacks"
+    return Plan(W, mem, train, rollout, step_s, rollout_s, unit_flops / flops_peak, notes, refused)
