@@ -1,21 +1,25 @@
 """Measure, on the CPU, what one training forward of a family's transformer keeps for backward.
 
-A *probe* is the real transformer class at its real widths (dtype, LoRA) with each kind of block
-once (SD3: a dual-attention block, a plain one and the last ``context_pre_only`` one; FLUX: a
-double- and a single-stream block; Qwen-Image, Wan: one block), run through the family adapter's
-own ``velocity`` (guidance 1: one forward per sample) at a few small token counts. Every tensor
-autograd saves (``torch.autograd.graph.saved_tensors_hooks``) is counted once by its storage,
-parameters excluded, and attributed to the block running when it was saved (else to the "rest":
-embeddings, final norm and projection). Bytes per sample are then fitted as
-``c0 + c_img * image_tokens + c_txt * text_tokens`` per block kind (attention is SDPA: CPU flash
-keeps q, k, v, out and the log-sum-exp, as CUDA's flash kernel does, so nothing grows with the
-square of the tokens), and the full model is ``rest + sum(count(kind) * kind)``.
+A *probe* is the real transformer class at its real widths (dtype, LoRA) with two blocks of each
+kind (SD3: dual-attention and plain blocks, then the last ``context_pre_only`` one; FLUX: double-
+and single-stream blocks; Qwen-Image, Wan: one kind), run through the family adapter's own
+``velocity`` (guidance 1: one forward) at batches 2 and 4 (batch 1 takes other paths in a few
+ops) and three small token counts. Every tensor autograd saves
+(``torch.autograd.graph.saved_tensors_hooks``) is counted once by its storage while autograd holds
+it (a graph branch freed during the forward gives its bytes back), parameters and buffers
+excluded, and attributed to the block running when it was saved: to that block, to ``shared``
+when several blocks save it (rotary tables, the time embedding), or to ``rest`` (embeddings, final
+norm and projection). Each part is fitted as ``batch * (c0 + ci * image_tokens + ct * text_tokens)
++ (d0 + di * image_tokens + dt * text_tokens)``; a block list's first block apart from the later
+ones. Attention is SDPA: CPU flash keeps q, k, v, out and the log-sum-exp, as CUDA's flash kernel
+does, so nothing grows with the square of the tokens. The full model is ``rest + shared +
+sum(first + (count - 1) * later)`` over block kinds (``predict_saved``).
 
 For gradient checkpointing a block keeps only its inputs: the bytes of each block's tensor inputs
-that no other block shares are recorded the same way (``inputs``).
+(``inputs``; those several blocks receive once, ``shared_inputs``) are recorded the same way.
 
-``python -m diffusionrl.plan.measure`` rewrites ``measured.json`` (every GPU preset's model and the
-tiny builtins; minutes on 2 cores); ``tests/test_plan.py`` re-measures the tiny entries.
+``python -m diffusionrl.plan.measure`` rewrites ``measured.json`` (every preset's model and
+Qwen-Image; about 10 minutes on 2 shared cores); ``tests/test_plan.py`` re-measures the tiny entries.
 """
 
 from __future__ import annotations

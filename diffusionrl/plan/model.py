@@ -101,7 +101,9 @@ def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict,
         ratio = BYTES[m.dtype] / BYTES[entry["weights_dtype"]]
         entry = dict(entry, coef={k: [c * ratio for c in v] for k, v in entry["coef"].items()})
     if (entry["lora_rank"], entry["lora_targets"]) != (m.lora_rank, list(m.lora_targets)):
-        note = (note + "; " if note else "") + "activations measured with another LoRA (rank/targets): < 1% apart"
+        note = (note + "; " if note else "") + (
+            f"activations measured with LoRA rank {entry['lora_rank']} on {len(entry['lora_targets'])} target "
+            "suffixes, not this config's (each adapted layer saves rank x tokens more or less)")
     return entry, note
 
 
@@ -206,6 +208,8 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     engines = 1 if W == 1 else max(1, tc.rollout_engines)
     rollout_s = (batch / engines) * s.num_steps * per_sample / flops_peak
     notes.append(f"{n_img} image + {n_txt} text tokens per forward; {len(batches)} forward(s) of {batches} per unit")
+    if family == "qwen-image":
+        notes.append("Qwen-Image's text is as long as the batch's longest prompt: model.max_sequence_length is planned")
     refused = ""
     if W > 1 and ac.name != "flow_grpo":  # distributed/ranks.py
         refused = f"world_size > 1 runs algorithm.name=flow_grpo only, not {ac.name}"
