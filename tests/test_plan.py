@@ -85,6 +85,36 @@ def test_mid_size_model_at_unseen_token_counts(family):
     assert M.predict_saved(entry, config, batch, n_img, text)["total"] == pytest.approx(got["total"], rel=0.05)
 
 
+@pytest.mark.parametrize("family", sorted(MID))
+def test_live_memory_of_mid_size_models_with_and_without_checkpointing(family):
+    """What a whole mid-size model holds after its training forward (live storages, ``LivePeak``)
+    is the plan's activations within 10%, with gradient checkpointing (each block's inputs) and
+    without; the forward + backward peak is at most the plan's activations + backward working set
+    + LoRA gradients, which overstate it by less than 1.8x (the working set is assumed, not fitted)."""
+    config = MID[family]
+    targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+    entry = M.measure_saved(family, config, "float32", "no", 8, targets)
+    batch, side, text = 3, 32, 96
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = M.lora_wrap(M.FAMILIES[family].build(config), family, 8, targets)
+        if ckpt:
+            model.get_base_model().enable_gradient_checkpointing()
+            model.train()  # diffusers checkpoints only in training mode
+        adapter = M.stub_adapter(family, model, "no")
+        x, t, cond = M.forward_inputs(family, config, batch, side, text)
+        live = M.LivePeak()
+        with live:
+            v = adapter.velocity(model, x, t, cond, 1.0)
+            after_forward = live.current
+            v.pow(2).mean().backward()
+        planned = M.predict_saved(entry, config, batch, (side // 2) ** 2, text, checkpointing=ckpt)
+        assert planned["total"] == pytest.approx(after_forward, rel=0.10), ckpt
+        grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        peak = planned["total"] + planned["block_peak"] * (2 if ckpt else 1) + grads
+        assert live.peak <= peak <= 1.8 * live.peak, (ckpt, live.peak, peak)
+
+
 @pytest.mark.parametrize("preset", ["tiny-cpu", "tiny-cpu-flux", "tiny-cpu-nft"])
 def test_parameter_lora_and_optimizer_bytes(preset):
     """Weights, text encoders + VAE, LoRA, gradient and AdamW bytes of the real policy after one

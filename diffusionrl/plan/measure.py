@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .archs import FAMILIES, FamilySpec
 
@@ -187,6 +188,37 @@ def saved_by_block(model: torch.nn.Module, blocks: list[torch.nn.Module], run) -
             "total": sum(per.values()),
             "inputs": [sum(b for k, b in d.items() if received[k] == 1) for d in inputs],
             "shared_inputs": sum(b for k, b in all_inputs.items() if received[k] > 1), "out": out}
+
+
+class LivePeak(TorchDispatchMode):
+    """Inside: the peak bytes of the CPU storages created inside that are still alive (each checked
+    through a ``StorageWeakRef`` after every op): what a training unit's forward and backward hold at
+    most beyond the weights, the CPU's counterpart of ``torch.cuda.max_memory_allocated``. Slow (it
+    scans every live storage after each op): tiny and mid-size models only."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, tuple] = {}
+        self.peak = 0
+
+    @property
+    def current(self) -> int:
+        return sum(n for _, n in self.refs.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_flatten
+
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()  # a view of an input's storage is not new memory
+                if storage.data_ptr() and storage.data_ptr() not in self.refs and storage.data_ptr() not in given:
+                    self.refs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        self.peak = max(self.peak, self.current)
+        return out
 
 
 def lora_wrap(transformer: torch.nn.Module, family: str, rank: int, targets: list[str], seed: int = 0):
