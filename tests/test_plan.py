@@ -143,14 +143,17 @@ def test_parameter_lora_and_optimizer_bytes(preset):
 
 def test_cached_figures_match_a_fresh_measurement():
     """measured.json's builtin entries are what measuring now gives (the hub ones take minutes:
-    python -m diffusionrl.plan.measure); hub facts agree with a fresh meta-device count."""
+    python -m diffusionrl.plan.refresh); hub facts agree with a fresh meta-device count."""
     cache = M.load_cache()
-    for reference, wd, amp, rank, targets, _ in M.cached_entries():
+    from diffusionrl.plan.facts import model_config
+    from diffusionrl.plan.refresh import cached_entries
+
+    for reference, wd, amp, rank, targets, _ in cached_entries():
         key = M.cache_key(reference, wd, amp)
-        assert key in cache["saved"], f"{key} missing: run python -m diffusionrl.plan.measure"
+        assert key in cache["saved"], f"{key} missing: run python -m diffusionrl.plan.refresh"
         if not reference.startswith("builtin:"):
             continue
-        family, config = M.model_config(reference)
+        family, config = model_config(reference)
         fresh = M.measure_saved(family, config, wd, amp, rank, targets)
         for name, coef in fresh["coef"].items():
             assert cache["saved"][key]["coef"][name] == pytest.approx(coef, rel=1e-6, abs=1e-3), (key, name)

@@ -7,7 +7,7 @@ base computes no weight gradients; LoRA's are negligible).
 
 Hub models are built from their configs (``archs.py``) on the meta device; a ``builtin:`` model is
 built (it is tiny) and read exactly. Hub figures are cached in ``measured.json`` with the
-activation fits (``python -m diffusionrl.plan.measure`` rewrites them).
+activation fits (``python -m diffusionrl.plan.refresh`` rewrites them).
 """
 
 from __future__ import annotations
@@ -18,7 +18,24 @@ import json
 import torch
 
 from .archs import FAMILIES, GPU_REWARDS, module_params
-from .measure import AMP, CACHE, forward_inputs, load_cache, model_config, stub_adapter
+from .measure import AMP, CACHE, forward_inputs, load_cache, stub_adapter
+
+
+def model_config(reference: str) -> tuple[str, dict]:
+    """(family, transformer config) of a builtin (read from its builder, once per process) or a hub
+    model the planner knows the sizes of."""
+    from .archs import HUB_MODELS
+
+    if reference.startswith("builtin:"):
+        facts = builtin_facts(reference)
+        return facts["family"], facts["config"]
+    if reference in HUB_MODELS:
+        family = HUB_MODELS[reference]
+        return family, dict(FAMILIES[family].config)
+    from diffusionrl.config import ConfigError
+
+    raise ConfigError(f"model.name={reference!r}: the planner knows the sizes of {sorted(HUB_MODELS)} and the "
+                      "builtin models; add the hub config to diffusionrl/plan/archs.py (HUB_MODELS)")
 
 
 def _transformer_facts(family: str, transformer: torch.nn.Module) -> dict:

@@ -18,15 +18,13 @@ sum(first + (count - 1) * later)`` over block kinds (``predict_saved``).
 For gradient checkpointing a block keeps only its inputs: the bytes of each block's tensor inputs
 (``inputs``; those several blocks receive once, ``shared_inputs``) are recorded the same way.
 
-``python -m diffusionrl.plan.measure`` rewrites ``measured.json`` (every preset's model and
+``python -m diffusionrl.plan.refresh`` rewrites ``measured.json`` (every preset's model and
 Qwen-Image; about 10 minutes on 2 shared cores); ``tests/test_plan.py`` re-measures the tiny entries.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -210,13 +208,13 @@ class LivePeak(TorchDispatchMode):
         from torch.utils._pytree import tree_flatten
 
         out = func(*args, **(kwargs or {}))
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}  # before: freed addresses recur
         given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = t.untyped_storage()  # a view of an input's storage is not new memory
                 if storage.data_ptr() and storage.data_ptr() not in self.refs and storage.data_ptr() not in given:
                     self.refs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
         self.peak = max(self.peak, self.current)
         return out
 
@@ -319,83 +317,3 @@ def cache_key(reference: str, weights_dtype: str, amp: str) -> str:
 
 def load_cache(path: Path = CACHE) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {"saved": {}, "flops": {}}
-
-
-def builtin_config(reference: str) -> tuple[str, dict]:
-    """(family, transformer config) of a builtin tiny model, read from its builder (once per process)."""
-    from .facts import builtin_facts
-
-    facts = builtin_facts(reference)
-    return facts["family"], facts["config"]
-
-
-# Hub models no preset uses yet, measured too: Qwen-Image in bf16 with flow_grpo's LoRA (r64, both streams).
-EXTRA = [("Qwen/Qwen-Image", "bfloat16", "bf16", 64,
-          ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-           "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
-           "txt_mlp.net.2"], [(512, 1, 512)])]
-
-
-def cached_entries() -> list[tuple]:
-    """(reference, weights dtype, amp, LoRA rank, LoRA targets, [(resolution, frames, prompt tokens), ...])
-    of every preset's model (the shapes: those of the presets using it, for the FLOP counts)."""
-    from diffusionrl.config import get_preset
-    from diffusionrl.config.presets import PRESETS
-
-    out: dict[str, tuple] = {}
-    for name in PRESETS:
-        cfg = get_preset(name)
-        m, s = cfg.model, cfg.sampling
-        entry = (m.name, m.dtype, cfg.train.mixed_precision, m.lora_rank, list(m.lora_targets), [])
-        out.setdefault(cache_key(m.name, m.dtype, cfg.train.mixed_precision), entry)[5].append(
-            (s.resolution, s.num_frames, m.max_sequence_length))
-    out.update({cache_key(*e[:3]): e for e in EXTRA})
-    return list(out.values())
-
-
-def model_config(reference: str) -> tuple[str, dict]:
-    """(family, transformer config) of a builtin or a hub model the planner knows the sizes of."""
-    from .archs import HUB_MODELS
-
-    if reference.startswith("builtin:"):
-        return builtin_config(reference)
-    if reference in HUB_MODELS:
-        family = HUB_MODELS[reference]
-        return family, dict(FAMILIES[family].config)
-    from diffusionrl.config import ConfigError
-
-    raise ConfigError(f"model.name={reference!r}: the planner knows the sizes of {sorted(HUB_MODELS)} and the "
-                      "builtin models; add the hub config to diffusionrl/plan/archs.py (HUB_MODELS)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Re-measure the planner's cached activation figures (measured.json)")
-    ap.add_argument("--only", default="", help="measure only references containing this string")
-    ap.add_argument("--out", default=str(CACHE))
-    args = ap.parse_args(argv)
-    from .archs import tokens
-    from .facts import hub_facts, measure_flops
-
-    cache = load_cache(Path(args.out))
-    cache.setdefault("facts", {})
-    for reference, wd, amp, rank, targets, shapes in cached_entries():
-        if args.only and args.only not in reference:
-            continue
-        t0 = time.perf_counter()
-        family, config = model_config(reference)
-        cache["saved"][cache_key(reference, wd, amp)] = measure_saved(family, config, wd, amp, rank, targets)
-        if not reference.startswith("builtin:"):  # builtins are read from their builders
-            facts = cache["facts"][reference] = hub_facts(reference)
-            for resolution, frames, text in shapes:
-                _, n_txt = tokens(family, config, resolution, frames, text, facts["vae_scale"], facts["temporal_scale"])
-                side = resolution // facts["vae_scale"]
-                latent_frames = (frames - 1) // facts["temporal_scale"] + 1 if family == "wan" else 1
-                cache["flops"][f"{reference}|{side}|{n_txt}|{latent_frames}"] = measure_flops(
-                    family, config, side, n_txt, latent_frames)
-        print(f"{reference} {wd}/{amp}: {time.perf_counter() - t0:.1f} s", flush=True)
-        Path(args.out).write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -95,7 +95,7 @@ def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict,
         if not same:
             from diffusionrl.config import ConfigError
 
-            raise ConfigError(f"no activation measurement of {m.name}: run python -m diffusionrl.plan.measure")
+            raise ConfigError(f"no activation measurement of {m.name}: run python -m diffusionrl.plan.refresh")
         entry = cache["saved"][same[0]]
         note = f"activations scaled from the {same[0].split('|', 1)[1]} measurement by element size"
         ratio = BYTES[m.dtype] / BYTES[entry["weights_dtype"]]
