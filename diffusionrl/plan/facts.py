@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from collections import Counter
 
 import torch
 
 from .archs import FAMILIES, GPU_REWARDS, module_params
 from .measure import AMP, CACHE, forward_inputs, load_cache, stub_adapter
+
+BLOCK_INDEX = re.compile(r"blocks[.][0-9]+[.]")  # transformer_blocks.7.attn.to_q -> transformer_blocks.*.attn.to_q
 
 
 def model_config(reference: str) -> tuple[str, dict]:
@@ -45,11 +49,13 @@ def _transformer_facts(family: str, transformer: torch.nn.Module) -> dict:
     units = [sum(p.numel() for p in b.parameters()) for b in getattr(transformer, "transformer_blocks", [])]
     total = sum(p.numel() for p in transformer.parameters())
     buffers = sum(b.numel() for b in transformer.buffers() if b.is_floating_point())
-    linears = [[n, m.in_features, m.out_features] for n, m in transformer.named_modules()
-               if isinstance(m, torch.nn.Linear) and n not in dead]
+    linears: Counter = Counter()  # "<name, block index as *>|in|out" -> how many (a small cache)
+    for n, m in transformer.named_modules():
+        if isinstance(m, torch.nn.Linear) and n not in dead:
+            linears[f"{BLOCK_INDEX.sub(r'blocks.*.', n)}|{m.in_features}|{m.out_features}"] += 1
     blocks = [sum(p.numel() for p in b.parameters()) for name in spec.blocks for b in getattr(transformer, name)]
     return {"family": family, "params": total, "buffers": buffers, "fsdp_units": units,
-            "fsdp_root": total - sum(units), "largest_block": max(blocks), "linears": linears}
+            "fsdp_root": total - sum(units), "largest_block": max(blocks), "linears": dict(linears)}
 
 
 def hub_facts(reference: str) -> dict:
@@ -92,7 +98,12 @@ def model_facts(reference: str, cache: dict | None = None) -> dict:
 
 def lora_params(facts: dict, suffixes: list[str], rank: int) -> int:
     """Trainable LoRA parameters: ``rank * (in + out)`` of every matched linear (``LoraPolicy``'s rule)."""
-    return sum(rank * (i + o) for name, i, o in facts["linears"] if any(name.endswith(s) for s in suffixes))
+    total = 0
+    for key, count in facts["linears"].items():
+        name, i, o = key.rsplit("|", 2)
+        if any(name.endswith(s) for s in suffixes):
+            total += count * rank * (int(i) + int(o))
+    return total
 
 
 def reward_params(weights: dict[str, float]) -> int:

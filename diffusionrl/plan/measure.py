@@ -139,20 +139,29 @@ def saved_by_block(model: torch.nn.Module, blocks: list[torch.nn.Module], run) -
     stack: list[int] = []  # forward (an output nobody uses) releases what it saved, and its memory
     inputs: list[dict[int, int]] = [{} for _ in blocks]  # may then hold another tensor
 
-    def release(key: int) -> None:
+    alive: dict[int, object] = {}  # key -> StorageWeakRef of the storage now at that address
+
+    def release(key: int, ref) -> None:
+        if alive.get(key) is not ref:  # a late finaliser (garbage collection) of an earlier storage
+            return
         holders[key] -= 1
         if holders[key] == 0:
-            del holders[key], size[key], owners[key]
+            del holders[key], size[key], owners[key], alive[key]
 
     def pack(t):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         key = _key(t)
         if not key or key in skip:
             return t
+        if key in alive and alive[key].expired():  # the address was freed and reused: a new storage
+            del holders[key], size[key], owners[key], alive[key]
+        ref = alive.setdefault(key, StorageWeakRef(t.untyped_storage()))
         size[key] = t.untyped_storage().nbytes()
         owners.setdefault(key, set()).add(stack[-1] if stack else "rest")
         holders[key] += 1
         held = _Held(t)
-        weakref.finalize(held, release, key)
+        weakref.finalize(held, release, key, ref)
         return held
 
     def pre(i):
