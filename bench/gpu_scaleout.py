@@ -9,7 +9,12 @@
   transformer only: random-weight text encoders/VAE would only add constant cost), and SGLang's if
   ``sglang`` is importable in this interpreter (else the reason it was skipped);
 - ``train_step_s``: one Flow-GRPO-style update unit (forward with CFG + backward + AdamW step) per
-  micro-batch of 8 at one denoising step, and the peak memory.
+  micro-batch of 8 at one denoising step, and the peak memory;
+- next to them the planner's prediction for the same shape (``diffusionrl.plan``: sd35m-ocr on one
+  GPU with this micro-batch, resolution and rank, no checkpointing, no KL forward, no EMA):
+  ``plan_train_alloc_gib`` (the parts ``torch.cuda.max_memory_allocated`` sees: weights, LoRA,
+  gradients, AdamW, activations, backward working set) and ``plan_train_unit_s`` at the plan's
+  assumed MFU; on a GPU the ratios ``train_peak_ratio`` (measured / planned) and ``implied_mfu``.
 
 Transformer config = SD3.5-medium's (stabilityai/stable-diffusion-3.5-medium transformer/config.json):
 24 layers, 24 heads x 64, joint_attention_dim 4096, caption_projection_dim 1536, pooled 2048,
@@ -163,6 +168,24 @@ def bench_rollout(torch, model, batch, px, steps):
     return batch / s
 
 
+PLANNED_PARTS = ("base weights", "LoRA (fp32)", "gradients (fp32)", "optimizer (AdamW, 2 x fp32)",
+                 "activations (training forward)", "backward working set (one block, assumed)")
+
+
+def plan_prediction(args) -> dict:
+    """The planner's figures for the shape this bench trains (tokens: 77 CLIP + 256 T5, as ``text_len``)."""
+    from diffusionrl.config import Config, apply_overrides, get_preset
+    from diffusionrl.plan.model import GIB, MFU, plan
+
+    over = ["train.world_size=1", "train.rollout_engines=1", f"train.micro_batch_size={args.micro_batch}",
+            f"sampling.resolution={args.resolution}", f"model.lora_rank={args.lora_rank}",
+            f"model.lora_alpha={2 * args.lora_rank}", "model.gradient_checkpointing=false", "algorithm.kl_beta=0",
+            "train.ema=false", "model.max_sequence_length=256"]
+    p = plan(Config.from_dict(apply_overrides(get_preset("sd35m-ocr").to_dict(), over)), "H200")
+    return {"plan_train_alloc_gib": sum(p.train[k] for k in PLANNED_PARTS) / GIB, "plan_train_unit_s": p.unit_s,
+            "plan_mfu": MFU, "plan_note": "no prediction of this planner is GPU-confirmed before this run"}
+
+
 def merged_layers(torch, model):
     from diffusionrl.rollout.sglang import lora_layers, merge_lora
 
@@ -270,6 +293,10 @@ def main() -> int:
         out["sglang_note"] = "sglang not importable in this interpreter (it lives in .venv-sglang)"
     step_s, peak_gib, lora_params = bench_train(torch, model, args.micro_batch, args.resolution, args.repeats)
     out.update(train_step_s=step_s, train_peak_mem_gib=peak_gib, lora_params_m=lora_params / 1e6)
+    out.update(plan_prediction(args))
+    if peak_gib is not None:
+        out["train_peak_ratio"] = peak_gib / out["plan_train_alloc_gib"]
+        out["implied_mfu"] = out["plan_mfu"] * out["plan_train_unit_s"] / step_s
     ipc_s, value_s, mib = bench_ipc(torch, merged_layers(torch, model), args.bucket_mb, args.repeats)
     out.update(ipc_push_s=ipc_s, by_value_push_s=value_s, pushed_mib=mib, bucket_mb=args.bucket_mb)
     emit(out)

@@ -45,6 +45,7 @@ from .resources import (
     ACCELERATOR,
     CPU_TASK,
     ENVIRONMENT,
+    GPU_NAME,
     GPU_TASK,
     HF_MLFLOW,
     MLFLOW,
@@ -90,6 +91,20 @@ def resolve_config(config: Config, overrides: list[str], sft_steps: int, sft_ove
         check_early(sft_config(cfg, sft_steps, sft_overrides))
     check_early(cfg, checkpoint_dir)
     return cfg
+
+
+@task(**CPU_TASK)
+@user_errors
+def plan_resources(config: Config) -> str:
+    """The planner's check before any pod with a GPU starts (``diffusionrl.plan.check``): the
+    predicted per-rank peak memory on ``DIFFUSIONRL_GPU``'s GPUs; a config that does not fit fails
+    here in one line naming the knobs that fix it. A CPU run (a builtin model on ``auto``/``cpu``)
+    passes at once."""
+    from diffusionrl.plan.check import check_fits
+
+    line = check_fits(config, GPU_NAME)
+    log.info("plan: %s", line)
+    return line
 
 
 @task(**CPU_TASK, secret_requests=MLFLOW)

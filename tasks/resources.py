@@ -89,7 +89,8 @@ REPORT_DECKS = (DeckField.SOURCE_CODE, DeckField.TIMELINE, DeckField.INPUT, Deck
 
 # -- GPUs, storage, timeouts --------------------------------------------------------------------------
 
-ACCELERATOR = GPUAccelerator(os.environ.get("DIFFUSIONRL_GPU", "nvidia-h100"))
+GPU_NAME = os.environ.get("DIFFUSIONRL_GPU", "nvidia-h100")  # also what plan_resources plans for
+ACCELERATOR = GPUAccelerator(GPU_NAME)
 TIMEOUTS = {
     "fetch": timedelta(hours=2),
     "train": timedelta(hours=48),

@@ -22,3 +22,5 @@ def test_gpu_scaleout_dry_run_exercises_every_cpu_branch():
         assert out[key] > 0, key
     assert out["lora_params_m"] > 0 and out["pushed_mib"] > 0
     assert "rollout_images_per_s_sglang" in out and out["sglang_note"]
+    # the planner's prediction for the GPU run's shape is recorded beside what a GPU would measure
+    assert out["plan_train_alloc_gib"] > 0 and out["plan_train_unit_s"] > 0 and "train_peak_ratio" not in out

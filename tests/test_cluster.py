@@ -288,8 +288,8 @@ def test_dag_completes(execution, token):
     _require_dag(execution)
     assert all(r.ok for r in execution.nodes.values())
     assert {r.task.split(".")[-1] for r in execution.nodes.values()} == {
-        "resolve_config", "start_run", "fingerprint_prompts", "prepare_prompts", "fetch_base_weights", "track_inputs",
-        "sft", "train", "evaluate", "register", "report"}
+        "resolve_config", "plan_resources", "start_run", "fingerprint_prompts", "prepare_prompts",
+        "fetch_base_weights", "track_inputs", "sft", "train", "evaluate", "register", "report"}
     assert all(len(r.attempts) == 1 for r in execution.nodes.values()), "a node needed a retry"
     # The tasks ran the packaged code (the fast-registration tarball), not this checkout, and the
     # secret reaches flytekit's secrets manager in a pod.

@@ -51,6 +51,7 @@ from tasks.grpo import (
     nightly_run_dir,
     no_warm_start,
     on_grpo_failure,
+    plan_resources,
     prepare_prompts,
     register,
     report,
@@ -79,7 +80,9 @@ def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_
          on_config_change: str = "fail", sft_steps: int = 0, sft_overrides: list[str] = []) -> GRPOOutputs:  # noqa: B006
     given = resolve_config(config=config, overrides=overrides, sft_steps=sft_steps, sft_overrides=sft_overrides,
                            checkpoint_dir=checkpoint_dir)  # also the run folder's store, sft_source, init_lora
+    planned = plan_resources(config=given)  # does it fit its GPUs? fails naming the knob, before any pod
     run = start_run(config=given)  # MLflow preflight: fails before any data or weights are fetched
+    planned >> run
     prompts = prepare_prompts(data=given.data, reward=given.reward, fingerprint=fingerprint_prompts(data=given.data))
     model = fetch_base_weights(reference=given.model.name, revision=given.model.revision)
     run >> prompts.digest  # (one output stands for its node)

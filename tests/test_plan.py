@@ -1,0 +1,214 @@
+"""The planner (diffusionrl/plan) against exact CPU measurements: bytes saved for backward by the
+training forward of the tiny models and of mid-size ones (whole models at token counts the fits
+never saw), parameter, LoRA and AdamW bytes of the real policy, the shipped cache against a fresh
+measurement, the GPU presets against their documented clusters, and the pre-launch check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diffusionrl.config import get_preset
+from diffusionrl.plan import measure as M
+from diffusionrl.plan.facts import builtin_facts, lora_params
+from diffusionrl.plan.model import GIB, plan
+
+TINY = ["tiny-cpu", "tiny-cpu-flux", "tiny-cpu-qwen-image", "tiny-cpu-wan"]
+GPU_PRESETS = ["sd35m-ocr", "sd35m-pickscore-nft", "flux1-dev-pickscore", "wan21-t2v-1.3b-ocr"]
+
+
+def _policy(cfg):
+    from diffusionrl.models import load_adapter
+    from diffusionrl.training.policy import LoraPolicy
+
+    adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
+    return adapter, LoraPolicy(adapter, cfg.model, seed=0)
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_saved_bytes_of_the_training_forward(preset):
+    """The policy's real training forward (peft LoRA, the adapter's CFG passes, the preset's
+    micro-batch and resolution) saves what the planner predicts from its one-block fits, within 5%."""
+    cfg = get_preset(preset)
+    adapter, policy = _policy(cfg)
+    s, mb = cfg.sampling, cfg.train.micro_batch_size
+    neg = adapter.needs_negative(s.guidance_scale)
+    cond = adapter.encode_prompts(["a red cat on a table"] * mb, s.negative_prompt if neg else None,
+                                  cfg.model.max_sequence_length)
+    x = torch.randn(mb, *adapter.sample_shape(s.resolution, s.num_frames))
+    spec = M.FAMILIES[adapter.family]
+    got = M.saved_by_block(policy.model, M.blocks_of(adapter.transformer, spec),
+                           lambda: adapter.velocity(policy.model, x, torch.tensor(500.0), cond, s.guidance_scale))
+    facts = builtin_facts(cfg.model.name)
+    entry = M.load_cache()["saved"][M.cache_key(cfg.model.name, cfg.model.dtype, cfg.train.mixed_precision)]
+    n_img = math.prod(x.shape[2:]) // 4  # 2 x 2 patches (SD3, Wan) or packing (FLUX, Qwen-Image)
+    texts = [cond.prompt_embeds.shape[1]] + ([cond.negative_prompt_embeds.shape[1]] if neg else [])
+    from diffusionrl.plan.model import forward_batches
+
+    batches = forward_batches(adapter.family, mb, neg)
+    texts = texts[:len(batches)]
+    predicted = sum(M.predict_saved(entry, facts["config"], b, n_img, t, again=i > 0)["total"]
+                    for i, (b, t) in enumerate(zip(batches, texts)))
+    assert predicted == pytest.approx(got["total"], rel=0.05)
+    if adapter.family != "qwen-image":  # padded prompts: the plan's token count is the real one
+        assert plan(cfg).train["activations (training forward)"] == pytest.approx(got["total"], rel=0.05)
+
+
+MID = {  # mid-size members of two families: wider and deeper than the tiny ones, a fraction of the real
+    "sd3": dict(sample_size=32, patch_size=2, in_channels=16, num_layers=6, attention_head_dim=64,
+                num_attention_heads=6, joint_attention_dim=512, caption_projection_dim=384,
+                pooled_projection_dim=256, out_channels=16, pos_embed_max_size=64, dual_attention_layers=(0, 1),
+                qk_norm="rms_norm"),
+    "flux": dict(patch_size=1, in_channels=64, num_layers=3, num_single_layers=4, attention_head_dim=64,
+                 num_attention_heads=6, joint_attention_dim=512, pooled_projection_dim=256, guidance_embeds=True,
+                 axes_dims_rope=(16, 24, 24)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MID))
+def test_mid_size_model_at_unseen_token_counts(family):
+    """A whole mid-size model at 4x the probe's largest image and text token counts and another batch:
+    the fits (two blocks of each kind, small tokens) predict its saved bytes within 5%."""
+    config = MID[family]
+    targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+    entry = M.measure_saved(family, config, "float32", "no", 8, targets)
+    torch.manual_seed(0)
+    model = M.lora_wrap(M.FAMILIES[family].build(config), family, 8, targets)
+    adapter = M.stub_adapter(family, model, "no")
+    batch, side, text = 3, 32, 96
+    x, t, cond = M.forward_inputs(family, config, batch, side, text)
+    got = M.saved_by_block(model, M.blocks_of(model.get_base_model(), M.FAMILIES[family]),
+                           lambda: adapter.velocity(model, x, t, cond, 1.0))
+    n_img = (side // 2) ** 2
+    assert M.predict_saved(entry, config, batch, n_img, text)["total"] == pytest.approx(got["total"], rel=0.05)
+
+
+@pytest.mark.parametrize("family", sorted(MID))
+def test_live_memory_of_mid_size_models_with_and_without_checkpointing(family):
+    """What a whole mid-size model holds after its training forward (live storages, ``LivePeak``)
+    is the plan's activations within 10%, with gradient checkpointing (each block's inputs) and
+    without; the forward + backward peak is at most the plan's activations + backward working set
+    + LoRA gradients, which overstate it by less than 1.8x (the working set is assumed, not fitted)."""
+    config = MID[family]
+    targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+    entry = M.measure_saved(family, config, "float32", "no", 8, targets)
+    batch, side, text = 3, 32, 96
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = M.lora_wrap(M.FAMILIES[family].build(config), family, 8, targets)
+        if ckpt:
+            model.get_base_model().enable_gradient_checkpointing()
+            model.train()  # diffusers checkpoints only in training mode
+        adapter = M.stub_adapter(family, model, "no")
+        x, t, cond = M.forward_inputs(family, config, batch, side, text)
+        live = M.LivePeak()
+        with live:
+            v = adapter.velocity(model, x, t, cond, 1.0)
+            after_forward = live.current
+            v.pow(2).mean().backward()
+        planned = M.predict_saved(entry, config, batch, (side // 2) ** 2, text, checkpointing=ckpt)
+        assert planned["total"] == pytest.approx(after_forward, rel=0.10), ckpt
+        grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        peak = planned["total"] + planned["block_peak"] * (2 if ckpt else 1) + grads
+        assert live.peak <= peak <= 1.8 * live.peak, (ckpt, live.peak, peak)
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu", "tiny-cpu-flux", "tiny-cpu-nft"])
+def test_parameter_lora_and_optimizer_bytes(preset):
+    """Weights, text encoders + VAE, LoRA, gradient and AdamW bytes of the real policy after one
+    optimizer step, against the plan's parts (exact up to AdamW's scalar step counters)."""
+    cfg = get_preset(preset)
+    adapter, policy = _policy(cfg)
+    p = plan(cfg)
+    nbytes = sum(t.numel() * t.element_size() for t in adapter.transformer.parameters() if not t.requires_grad)
+    nbytes += sum(b.numel() * b.element_size() for b in adapter.transformer.buffers() if b.is_floating_point())
+    assert p.train["base weights"] == pytest.approx(nbytes, rel=0.05)
+    others = sum(t.numel() * t.element_size() for name in adapter.components if name != "transformer"
+                 for t in getattr(adapter.pipe, name).parameters())
+    assert p.train["text encoders + VAE"] == pytest.approx(others, rel=0.05)
+    lora = sum(t.numel() * t.element_size() for t in policy.parameters())
+    assert p.train["LoRA (fp32)"] == pytest.approx(lora, rel=1e-9)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    for q in policy.parameters():
+        q.grad = torch.ones_like(q)
+    assert p.train["gradients (fp32)"] == pytest.approx(sum(q.grad.numel() * 4 for q in policy.parameters()))
+    opt.step()
+    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
+    assert p.train["optimizer (AdamW, 2 x fp32)"] == pytest.approx(state, rel=0.05)
+    copies = int(cfg.train.ema) + (1 if cfg.algorithm.name == "nft" else 0)
+    assert p.train["EMA / old-policy LoRA copies"] == copies * lora
+
+
+def test_cached_figures_match_a_fresh_measurement():
+    """measured.json's builtin entries are what measuring now gives (the hub ones take minutes:
+    python -m diffusionrl.plan.refresh); hub facts agree with a fresh meta-device count."""
+    cache = M.load_cache()
+    from diffusionrl.plan.facts import model_config
+    from diffusionrl.plan.refresh import cached_entries
+
+    for reference, wd, amp, rank, targets, _ in cached_entries():
+        key = M.cache_key(reference, wd, amp)
+        assert key in cache["saved"], f"{key} missing: run python -m diffusionrl.plan.refresh"
+        if not reference.startswith("builtin:"):
+            continue
+        family, config = model_config(reference)
+        fresh = M.measure_saved(family, config, wd, amp, rank, targets)
+        for name, coef in fresh["coef"].items():
+            assert cache["saved"][key]["coef"][name] == pytest.approx(coef, rel=1e-6, abs=1e-3), (key, name)
+    from diffusionrl.plan.facts import hub_facts
+
+    facts = hub_facts("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+    assert cache["facts"]["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"]["params"] == facts["params"]
+
+
+def test_lora_count_is_peft_s():
+    cfg = get_preset("tiny-cpu-qwen-image")
+    _, policy = _policy(cfg)
+    facts = builtin_facts(cfg.model.name)
+    assert lora_params(facts, list(cfg.model.lora_targets), cfg.model.lora_rank) == sum(
+        p.numel() for p in policy.parameters())
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+@pytest.mark.parametrize("gpu", ["H200", "H100"])
+def test_gpu_presets_fit_their_documented_cluster(preset, gpu):
+    """Each GPU preset fits its own train.world_size of 80 GB H100s and of H200s, by the plan."""
+    cfg = get_preset(preset)
+    p = plan(cfg, gpu)
+    assert p.fits, f"{preset} on {cfg.train.world_size} x {gpu}: peak {p.peak / GIB:.1f} GiB ({p.phase}): {p.train}"
+    assert p.step_s > 0 and p.rollout_s > 0
+
+
+def test_check_fits_names_the_knob():
+    from diffusionrl.config import Config, apply_overrides
+    from diffusionrl.plan.check import PlanError, check_fits
+
+    assert check_fits(get_preset("tiny-cpu"), "nvidia-h100").startswith("no GPU plan")
+    assert "planned peak" in check_fits(get_preset("sd35m-ocr"), "nvidia-h100")
+    big = Config.from_dict(apply_overrides(get_preset("flux1-dev-pickscore").to_dict(), [
+        "train.world_size=1", "model.gradient_checkpointing=false", "train.micro_batch_size=24"]))
+    with pytest.raises(PlanError) as err:
+        check_fits(big, "nvidia-h200")
+    message = str(err.value)
+    assert "\n" not in message and "does not fit" in message
+    assert "fix with model.gradient_checkpointing=true: peak" in message and "train.micro_batch_size=" in message
+    with pytest.raises(PlanError, match="no knob fixes it alone or together"):
+        check_fits(big, "nvidia-l40s")
+
+
+def test_cli_and_docs_table(capsys):
+    from pathlib import Path
+
+    from diffusionrl.plan.__main__ import BEGIN, END, main, parse_memory, table
+
+    assert parse_memory("141GiB") == 141 * 2**30 and parse_memory("80GB") == 80e9
+    assert main(["--config", "sd35m-ocr", "--gpus", "2", "--gpu-memory", "141GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "activations (training forward, checkpointed)" in out
+    assert main(["--config", "flux1-dev-pickscore", "--gpus", "1", "--gpu", "L40S-48G"]) == 1
+    assert "fix: " in capsys.readouterr().out
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    assert doc[doc.index(BEGIN) + len(BEGIN):doc.index(END)].strip() == table().strip(), (
+        "docs/scaling.md's plan tables are stale: python -m diffusionrl.plan --table --write")
