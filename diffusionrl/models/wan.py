@@ -80,11 +80,11 @@ class WanAdapter(FlowAdapter):
     components = ("transformer", "transformer_2", "vae", "text_encoder")
     pipeline_logger = "diffusers.pipelines.wan.pipeline_wan"
     video = True
+    experts: WanExperts | None = None  # Wan2.2's pair (set in __init__); None: one transformer
 
     def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
         super().__init__(pipe, device, autocast_dtype)
         ratio = pipe.config.get("boundary_ratio")
-        self.experts = None
         if getattr(pipe, "transformer_2", None) is not None and ratio is not None:
             self.experts = WanExperts(pipe.transformer, pipe.transformer_2,
                                       ratio * pipe.scheduler.config.num_train_timesteps)

@@ -32,8 +32,12 @@ def check_fits(cfg, accelerator: str) -> str:
     gpu = ACCELERATORS.get(accelerator)
     if gpu is None:
         return f"no GPU plan: no figures for accelerator {accelerator!r} (known: {sorted(ACCELERATORS)})"
+    from .facts import plannable
     from .knobs import advise
 
+    if not plannable(cfg.model.name):
+        return (f"no GPU plan: the planner has no measured sizes for {cfg.model.name} yet (its families: "
+                "diffusionrl/plan/archs.py); nothing was checked")
     p = plan(cfg, gpu)
     line = (f"planned peak {p.peak / GIB:.1f} GiB of {p.gpu_memory / GIB:.1f} GiB per {gpu} ({p.phase} phase) on "
             f"{p.gpus} GPU(s); ~{p.step_s:.0f} s per training step, ~{p.rollout_s:.0f} s per rollout")

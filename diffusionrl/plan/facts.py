@@ -42,6 +42,18 @@ def model_config(reference: str) -> tuple[str, dict]:
                       "builtin models; add the hub config to diffusionrl/plan/archs.py (HUB_MODELS)")
 
 
+def plannable(reference: str) -> bool:
+    """Whether the planner has measured sizes for ``reference``: a hub model of ``HUB_MODELS`` or a
+    builtin of a family in ``FAMILIES`` (Z-Image and FLUX.2 have adapters but no planner figures yet)."""
+    from .archs import HUB_MODELS
+
+    if reference.startswith("builtin:"):
+        from diffusionrl.models.families import adapter_class
+
+        return adapter_class(reference).family in FAMILIES
+    return reference in HUB_MODELS
+
+
 def _transformer_facts(family: str, transformer: torch.nn.Module) -> dict:
     spec = FAMILIES[family]
     adapter = stub_adapter(family, transformer, "no", "meta")

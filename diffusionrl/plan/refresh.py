@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from .archs import tokens
-from .facts import hub_facts, measure_flops, model_config
+from .facts import hub_facts, measure_flops, model_config, plannable
 from .measure import CACHE, cache_key, load_cache, measure_saved
 
 # Hub models no preset uses yet, measured too: Qwen-Image in bf16 with flow_grpo's LoRA (r64, both streams).
@@ -23,7 +23,7 @@ EXTRA = [("Qwen/Qwen-Image", "bfloat16", "bf16", 64,
 
 def cached_entries() -> list[tuple]:
     """(reference, weights dtype, amp, LoRA rank, LoRA targets, [(resolution, frames, prompt tokens), ...])
-    of every preset's model (the shapes: those of the presets using it, for the FLOP counts)."""
+    of every preset's model the planner knows (``facts.plannable``; the shapes: those of the presets using it, for the FLOP counts)."""
     from diffusionrl.config import get_preset
     from diffusionrl.config.presets import PRESETS
 
@@ -31,6 +31,8 @@ def cached_entries() -> list[tuple]:
     for name in PRESETS:
         cfg = get_preset(name)
         m, s = cfg.model, cfg.sampling
+        if not plannable(m.name):  # a family the planner has no figures for yet (check.check_fits says so)
+            continue
         entry = (m.name, m.dtype, cfg.train.mixed_precision, m.lora_rank, list(m.lora_targets), [])
         out.setdefault(cache_key(m.name, m.dtype, cfg.train.mixed_precision), entry)[5].append(
             (s.resolution, s.num_frames, m.max_sequence_length))
