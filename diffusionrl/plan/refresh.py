@@ -23,7 +23,8 @@ EXTRA = [("Qwen/Qwen-Image", "bfloat16", "bf16", 64,
 
 def cached_entries() -> list[tuple]:
     """(reference, weights dtype, amp, LoRA rank, LoRA targets, [(resolution, frames, prompt tokens), ...])
-    of every preset's model the planner knows (``facts.plannable``; the shapes: those of the presets using it, for the FLOP counts)."""
+    of every preset's model the planner knows (``facts.plannable``; the shapes: those of the presets using
+    it, for the FLOP counts)."""
     from diffusionrl.config import get_preset
     from diffusionrl.config.presets import PRESETS
 
