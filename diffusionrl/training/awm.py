@@ -3,7 +3,8 @@
 Rollouts are deterministic (ODE) samples of the live policy; only their clean latents ``x0`` are
 used, so the solver does not matter. Each sample is re-noised at T-1 of the rollout's T noise
 levels in a random order, with fresh noise, exactly as DiffusionNFT draws them (``nft.TimestepPlan``:
-per sample, seeded by ``(train.seed, step, inner epoch, sample index)``, independent of the split).
+per sample (per prompt group with ``algorithm.group_renoise``), seeded by ``(train.seed, step, inner epoch,
+sample index or group id)``, independent of the split).
 One work unit per (micro-batch, slot), counted by the micro-batch's active samples; micro-batches
 keep the rollout's composition. No old policy: every update is on the policy that sampled.
 """

@@ -10,7 +10,8 @@ One work unit per (micro-batch, timestep slot), counted by the micro-batch's act
 the trainer's sum / count rule makes the gradient independent of the micro-batch split. The
 micro-batches keep the rollout's composition (SD3 outputs depend on the batch they ran in).
 Timesteps and noises are drawn per sample from ``numpy.random.default_rng`` seeded by
-``(train.seed, step, inner epoch, sample index)``: a resumed run draws what the uninterrupted run
+``(train.seed, step, inner epoch, sample index)`` (the prompt group id instead with
+``algorithm.group_renoise``: a group shares its draws): a resumed run draws what the uninterrupted run
 drew, however the batch is split.
 
 ``v_old`` is computed by the policy's own network with the old LoRA tensors copied in for that
