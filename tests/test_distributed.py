@@ -67,7 +67,10 @@ def _ranks(cfg):
     return placement, ranks
 
 
-def test_two_gloo_fsdp_ranks_give_one_process_gradient(ray_cluster):
+# Every family's block stacks become FSDP units (distributed/fsdp.block_units): SD3, FLUX.1's two stacks,
+# Wan's ``blocks``.
+@pytest.mark.parametrize("preset", ["tiny-cpu", "tiny-cpu-flux", "tiny-cpu-wan"])
+def test_two_gloo_fsdp_ranks_give_one_process_gradient(ray_cluster, preset):
     from diffusionrl.distributed.shards import assign_blocks, select_samples
     from diffusionrl.distributed.worker import grpo_plan
     from diffusionrl.models import load_adapter
@@ -77,7 +80,7 @@ def test_two_gloo_fsdp_ranks_give_one_process_gradient(ray_cluster):
     from diffusionrl.training.policy import LoraPolicy
     from diffusionrl.training.trainer import Trainer, UpdateStats
 
-    cfg = tiny_config(*DIST)
+    cfg = tiny_config(*DIST, preset=preset)
     placement, ranks = _ranks(cfg)  # the actors start while this process builds its own copy
     try:
         torch.manual_seed(cfg.train.seed)
@@ -116,6 +119,21 @@ def test_two_gloo_fsdp_ranks_give_one_process_gradient(ray_cluster):
         for r in ranks:
             ray.kill(r)
         placement.remove()
+
+
+def test_two_expert_models_refuse_fsdp_ranks():
+    """Wan2.2's experts: ranks on different sides of the boundary would all-gather different experts'
+    blocks in one collective (same shapes: no error, wrong weights), so sharding refuses them."""
+    from diffusionrl.distributed.fsdp import block_units, shard_policy
+    from diffusionrl.errors import UserError
+    from diffusionrl.models import load_adapter
+    from diffusionrl.training.policy import LoraPolicy
+
+    cfg = tiny_config(preset="tiny-cpu-wan22")
+    adapter = load_adapter(cfg.model)
+    assert len(block_units(adapter.transformer)) == 2 * len(adapter.transformer.high.blocks)
+    with pytest.raises(UserError, match="two-expert"):
+        shard_policy(LoraPolicy(adapter, cfg.model, seed=0), "no", torch.device("cpu"), 2)
 
 
 @ray.remote(num_cpus=1)

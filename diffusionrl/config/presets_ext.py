@@ -200,13 +200,14 @@ TINY_CPU_WAN22: dict[str, Any] = {
 
 # Over WAN21_T2V_OCR (presets.py): Wan2.2-T2V-A14B (two 14B experts split at boundary_ratio 0.875, UMT5,
 # the Wan2.1 VAE) on the same OCR recipe, LoRA r32 on both experts' attention, gradient checkpointing,
-# bf16. Memory: every rank loads both experts (~56 GB bf16) and UMT5 (~11 GB) before FSDP2 shards the
-# trained experts' blocks: 141 GB GPUs (H200 class). One guidance scale for both experts (the pipeline's
-# guidance_scale_2 is not used). Not run here; the two-expert LoRA is not registrable yet (lora_export).
+# bf16, on ONE trainer rank: FSDP ranks would run different experts in one collective (a rank's units use
+# the expert of their own steps), so distributed.fsdp refuses two experts at world_size > 1. Memory: both
+# experts (~56 GB bf16) and UMT5 (~11 GB) on a 141 GB GPU (H200 class). One guidance scale for both experts
+# (the pipeline's guidance_scale_2 is not used). Not run here; the two-expert LoRA is not registrable yet.
 WAN22_T2V_A14B_OCR: dict[str, Any] = {
     "model": {"name": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "lora_experts": "both"},
     "sampling": {"guidance_scale": 4.0},
-    "train": {"micro_batch_size": 2},
+    "train": {"micro_batch_size": 2, "world_size": 1, "rollout_engines": 1},
     "eval": {"guidance_scale": 4.0},
     "tracking": {"registered_model": "wan22-t2v-a14b-ocr"},
 }

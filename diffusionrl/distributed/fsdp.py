@@ -1,6 +1,7 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) for the peft LoRA policy.
 
-Each transformer block is one FSDP unit, the transformer root (embeddings, final norm and
+Each transformer block is one FSDP unit (``block_units``: every block of each of the transformer's
+block stacks, whatever the family names them), the transformer root (embeddings, final norm and
 projection) another. Base weights are frozen, LoRA tensors train: FSDP2 allows mixed
 ``requires_grad`` inside a unit and only asks the trainable ones to share a dtype (fp32 master
 LoRA). With mixed precision the units all-gather and compute in fp16/bf16 and reduce gradients
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from diffusionrl.errors import UserError
+
 AMP_DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -34,16 +37,39 @@ def shard_policy(
     """Shard ``policy.model`` in place; refreshes ``policy.params`` (now DTensors).
 
     Returns the FSDP root and the loss multiplier of ``set_sum_reduction``."""
+    transformer = policy.model.get_base_model()
+    if hasattr(transformer, "expert"):
+        # Each rank's units run the expert of their own steps: ranks on different sides of the boundary
+        # would all-gather different experts' blocks in one collective (same shapes, so no error: wrong
+        # weights). Until the plan keeps every rank on one expert per unit, two experts train on one rank.
+        raise UserError("train.world_size > 1 with a two-expert model (Wan2.2 A14B: transformer and "
+                        "transformer_2) is not supported: its FSDP ranks would run different experts in one "
+                        "collective; set train.world_size=1")
     mesh = mesh_for(device, world_size)
     amp = AMP_DTYPES[mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    transformer = policy.model.get_base_model()
     kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
-    for block in transformer.transformer_blocks:
+    for block in block_units(transformer):
         fully_shard(block, **kw)
     fully_shard(transformer, **kw)
     policy.params = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
     return transformer, set_sum_reduction(transformer, device)
+
+
+def block_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks that become FSDP units below the root: every element of each ``nn.ModuleList`` child
+    of the transformer (SD3 and Qwen-Image ``transformer_blocks``; FLUX.1/FLUX.2 their double- and
+    single-stream stacks; Wan ``blocks``; Z-Image its two refiners and ``layers``), looking into child
+    transformers (Wan2.2's two experts) the same way."""
+    from diffusers import ModelMixin
+
+    units: list[torch.nn.Module] = []
+    for child in module.children():
+        if isinstance(child, torch.nn.ModuleList):
+            units.extend(child)
+        elif isinstance(child, ModelMixin):
+            units.extend(block_units(child))
+    return units
 
 
 def set_sum_reduction(root: torch.nn.Module, device: torch.device) -> float:

@@ -58,16 +58,16 @@ def _transformer_facts(family: str, transformer: torch.nn.Module) -> dict:
     spec = FAMILIES[family]
     adapter = stub_adapter(family, transformer, "no", "meta")
     dead = adapter.dead_lora_targets()
-    units = [sum(p.numel() for p in b.parameters()) for b in getattr(transformer, "transformer_blocks", [])]
     total = sum(p.numel() for p in transformer.parameters())
     buffers = sum(b.numel() for b in transformer.buffers() if b.is_floating_point())
     linears: Counter = Counter()  # "<name, block index as *>|in|out" -> how many (a small cache)
     for n, m in transformer.named_modules():
         if isinstance(m, torch.nn.Linear) and n not in dead:
             linears[f"{BLOCK_INDEX.sub(r'blocks.*.', n)}|{m.in_features}|{m.out_features}"] += 1
+    # Every block of every block list is an FSDP unit (distributed/fsdp.block_units), the rest the root.
     blocks = [sum(p.numel() for p in b.parameters()) for name in spec.blocks for b in getattr(transformer, name)]
-    return {"family": family, "params": total, "buffers": buffers, "fsdp_units": units,
-            "fsdp_root": total - sum(units), "largest_block": max(blocks), "linears": dict(linears)}
+    return {"family": family, "params": total, "buffers": buffers, "fsdp_units": blocks,
+            "fsdp_root": total - sum(blocks), "largest_block": max(blocks), "linears": dict(linears)}
 
 
 def hub_facts(reference: str) -> dict:

@@ -3,8 +3,8 @@ training step and per rollout (docs/scaling.md, "Planning").
 
 Bytes come from counted parameters (``facts.py``) and measured activations (``measure.py``):
 
-- training phase: base weights (FSDP2 shards the ``transformer_blocks`` units; the root unit, and
-  for FLUX its single-stream blocks, stays whole while gathered; two block units gathered at a time),
+- training phase: base weights (FSDP2 shards every block of the block lists, FLUX's single-stream
+  blocks included; the root unit stays whole while gathered; two block units gathered at a time),
   LoRA (fp32), gradients (fp32), AdamW state (2 x fp32), EMA and old-policy copies (fp32), the
   reference (0 bytes: the LoRA-disabled policy), activations of one work unit (every forward of its
   CFG passes at ``train.micro_batch_size``; with checkpointing each block's inputs plus one block
@@ -151,9 +151,6 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
         gathered = 2 * max(facts["fsdp_units"] or [0]) * amp_b
         common["base weights"] = facts["params"] * wb / W + facts["buffers"] * wb
         common["base weights (gathered: root unit + 2 blocks)"] = facts["fsdp_root"] * amp_b + gathered
-        if not facts["fsdp_units"]:
-            notes.append("distributed/fsdp.py shards transformer.transformer_blocks, which this transformer does "
-                         "not have: world_size > 1 fails there today (planned as one unsharded root)")
     common["LoRA (fp32)"] = lora / W
     common["reference (LoRA disabled: no copy)"] = 0.0
     copies = int(tc.ema) + OLD_COPIES.get(ac.name, 0)
@@ -214,6 +211,4 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     if W > 1 and ac.name != "flow_grpo":  # distributed/ranks.py
         refused = f"world_size > 1 runs algorithm.name=flow_grpo only, not {ac.name}"
         notes.append(f"refused at launch: {refused}")
-    elif W > 1 and not facts["fsdp_units"]:
-        refused = "fails at launch: distributed/fsdp.py shards transformer_blocks, which this model lacks"
     return Plan(W, mem, train, rollout, step_s, rollout_s, unit_flops / flops_peak, notes, refused)
