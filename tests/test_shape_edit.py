@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from diffusionrl.config import DataConfig, RewardConfig
-from diffusionrl.data import PromptDataError, load_prompts
+from diffusionrl.data import PromptDataError, load_prompts, rows_digest
 from diffusionrl.data.shape_edits import CATEGORIES, MIN_MOVE, all_edits, generate_edit_prompts, instruction_of, resolve
 from diffusionrl.data.shapes import COLORS, apart, draw_scene, relations
 from diffusionrl.rewards import build_reward, prompt_validator
@@ -103,9 +103,11 @@ def test_held_out_instructions_never_appear_in_training_and_rows_are_reproducibl
     assert {r["category"] for r in prompts.test} == set(CATEGORIES)
     assert set(prompts.train[0]) == {"prompt", "image", "category", "source", "target"}
     again = load_prompts(DataConfig(source=SOURCE, test_fraction=0.2, seed=0))
-    assert again.train == prompts.train and again.test == prompts.test
+    assert again.train == prompts.train and again.test == prompts.test and again.digest == prompts.digest
     other = load_prompts(DataConfig(source=SOURCE, test_fraction=0.2, seed=1))
-    assert other.train != prompts.train
+    assert other.train != prompts.train and other.digest != prompts.digest
+    changed = [{**r, "image": r["image"][:-1] + b"x"} if i == 0 else r for i, r in enumerate(prompts.train)]
+    assert rows_digest(changed, prompts.test) != prompts.digest  # the source image counts in the digest
     assert len(load_prompts(DataConfig(source="builtin:shape-edits", num_prompts=10, test_fraction=0.2)).train) == 10
     for bad in ("builtin:shape-edits:0", "builtin:shape-edits:x", "builtin:shape-editsx"):
         with pytest.raises(PromptDataError, match="shape-edits"):

@@ -56,12 +56,20 @@ class PromptSet:
 
 
 def rows_digest(*splits: list[dict[str, Any]]) -> str:
-    """sha256 of the canonical JSON of the rows, 16 hex chars."""
+    """sha256 of the canonical JSON of the rows, 16 hex chars (a bytes field, such as a row's input
+    image, by the sha256 of its bytes)."""
     h = hashlib.sha256()
     for rows in splits:
-        h.update(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+        h.update(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                            default=_bytes_digest).encode())
         h.update(b"\x00")
     return h.hexdigest()[:16]
+
+
+def _bytes_digest(value: Any) -> str:
+    if isinstance(value, bytes):
+        return f"sha256:{hashlib.sha256(value).hexdigest()}"
+    raise TypeError(f"a prompt row field of type {type(value).__name__} has no canonical JSON")
 
 
 def clean_rows(

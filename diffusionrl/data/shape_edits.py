@@ -18,12 +18,14 @@ add       ``add a red square left of the triangle``    one more object, in that 
 move      ``move the circle above the square``         the circle elsewhere, in that relation
 ========= ============================================ =============================================
 
-Every instruction is unambiguous in its source scene: an object is named by its shape when no other
-object has that shape, else by colour and shape when that pair is unique (otherwise it is not
-named at all), and every edit changes something (a recolour to another colour, a move to a relation
-that did not hold, by at least ``MIN_MOVE`` of the image; relations are GenEval's, ``shapes.relations``,
-checked with every box grown and shrunk by a pixel so that a detector's rounding cannot flip them).
-Untouched objects keep their place, size and colour.
+Every instruction is unambiguous in its source scene: an object is named by its shape ("the circle")
+or by colour and shape ("the red circle"), and only when exactly one object of the scene fits that
+name (an object no name fits is not edited), and every edit changes something (a recolour to
+another colour, a move to a relation that did not hold, by at least ``MIN_MOVE`` of the image;
+relations are GenEval's, ``shapes.relations``, checked with every box grown and shrunk by a pixel so
+that a detector's rounding cannot flip them).
+Untouched objects keep their place, size and colour, and every example has one (a source scene holds
+2-4 objects, 1-3 for ``add``, whose anchor stays): "the rest is unchanged" is always part of the task.
 
 ``edit_splits`` holds out, per category, the ``test_fraction`` of all the world's instruction texts
 with the smallest seeded hash (as ``shapes.world_splits`` does for prompts): a held-out row's
@@ -80,7 +82,7 @@ def _distinct(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def all_edits() -> dict[str, list[dict[str, Any]]]:
-    """Every edit of the world per category, in a fixed order (finite: 48 + 30 + 15 + 720 + 600)."""
+    """Every edit of the world per category, in a fixed order (finite: 48 + 30 + 15 + 720 + 744)."""
     refs = _refs()
     return {
         "recolor": [{"kind": "recolor", "ref": r, "color": c} for r in refs for c in COLORS if c != r["color"]],
@@ -190,7 +192,7 @@ def apply_edit(edit: dict[str, Any], objects: list[dict[str, Any]], rng: np.rand
 
 
 def _scene(category: str, rng: np.random.Generator, resolution: int) -> list[dict[str, Any]]:
-    low, high = (2, MAX_OBJECTS) if category in ("remove", "move") else (1, MAX_OBJECTS - (category == "add"))
+    low, high = (1, MAX_OBJECTS - 1) if category == "add" else (2, MAX_OBJECTS)  # something always stays as it was
     n = int(rng.integers(low, high + 1))
     objects = [{"shape": str(rng.choice(SHAPES)), "color": str(rng.choice(list(COLORS))), "count": 1} for _ in range(n)]
     return [_round(o) for o in layout({"objects": objects, "relation": None}, rng, resolution)]
