@@ -74,6 +74,7 @@ bench: setup $(SGLANG_ENV)
 	$(BIN)/python bench/pipeline_overhead.py
 	$(BIN)/python bench/sglang_vs_local.py
 	$(BIN)/python bench/sft.py
+	$(BIN)/python bench/shape_edits.py
 
 # On a GPU machine only (never in CI): CUDA IPC push, rollout images/s and train step time for an
 # SD3.5-medium-sized transformer; the JSON goes to bench/results/ with the date.

@@ -5,6 +5,8 @@
 - ``readers``: the ``.txt`` / ``.jsonl`` / ``.parquet`` readers and ``PromptDataError``;
 - ``objects``, ``ocr``, ``shapes``: the built-in prompt generators (``builtin:objects``,
   ``builtin:ocr``, ``builtin:shapes``; ``shapes`` also draws the world's scenes);
+- ``shape_edits``: image-edit rows in the shapes world (``builtin:shape-edits[:N]``: instruction, source
+  image, source and expected target scenes);
 - ``image_pairs``: (prompt, image) pairs for supervised fine-tuning (``algorithm.sft_source``).
 
 The loaders and the error are re-exported here; the shapes world's and OCR generator's own

@@ -5,6 +5,8 @@ Sources (``data.source``):
   ``diffusionrl.data.objects``);
 - ``builtin:ocr``: OCR text-rendering prompts (``diffusionrl.data.ocr``);
 - ``builtin:shapes``: the shapes world's prompts with their specs (``diffusionrl.data.shapes``);
+- ``builtin:shape-edits[:N]``: edit instructions on rendered shapes-world scenes, each row with its source
+  image (PNG bytes) and source and target scenes (``diffusionrl.data.shape_edits``);
 - a ``.txt`` file (one prompt a line), a ``.jsonl`` file (``{"prompt": ..., <metadata>}`` a line), a
   ``.parquet`` file (a ``prompt`` column plus metadata columns; the readers: ``diffusionrl.data.readers``);
   a folder in the flowgrpo layout: one ``train`` and one ``test`` file of those kinds (e.g. ``train.jsonl``
@@ -35,6 +37,8 @@ import numpy as np
 
 from .objects import generate_object_prompts
 from .readers import READERS, PromptDataError, read_file
+from .shape_edits import SOURCE as EDIT_SOURCE
+from .shape_edits import generate_edit_prompts
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +56,20 @@ class PromptSet:
 
 
 def rows_digest(*splits: list[dict[str, Any]]) -> str:
-    """sha256 of the canonical JSON of the rows, 16 hex chars."""
+    """sha256 of the canonical JSON of the rows, 16 hex chars (a bytes field, such as a row's input
+    image, by the sha256 of its bytes)."""
     h = hashlib.sha256()
     for rows in splits:
-        h.update(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+        h.update(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                            default=_bytes_digest).encode())
         h.update(b"\x00")
     return h.hexdigest()[:16]
+
+
+def _bytes_digest(value: Any) -> str:
+    if isinstance(value, bytes):
+        return f"sha256:{hashlib.sha256(value).hexdigest()}"
+    raise TypeError(f"a prompt row field of type {type(value).__name__} has no canonical JSON")
 
 
 def clean_rows(
@@ -161,7 +173,7 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
     """
     source = data_cfg.source
     stats: dict[str, int] = {}
-    if source in BUILTIN_SOURCES:
+    if source in BUILTIN_SOURCES or source.startswith(f"{EDIT_SOURCE}:"):
         train, test = _generated(source, data_cfg)
         _validate(validate, train, f"{source} (train)")
         _validate(validate, test, f"{source} (test)")
@@ -184,13 +196,15 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
     return PromptSet(train=train, test=test, source=source, stats=stats)
 
 
-BUILTIN_SOURCES = ("builtin:objects", "builtin:ocr", "builtin:shapes")
+BUILTIN_SOURCES = ("builtin:objects", "builtin:ocr", "builtin:shapes", EDIT_SOURCE)
 
 
 def _generated(source: str, cfg) -> tuple[list[dict], list[dict]]:
     """The train and test rows of a built-in generator (``cfg``: the ``DataConfig``)."""
     if source == "builtin:objects":
         return split_rows(generate_object_prompts(cfg.num_prompts, cfg.seed), cfg.test_fraction, cfg.seed)
+    if source.startswith(EDIT_SOURCE):
+        return generate_edit_prompts(source, cfg.num_prompts, cfg.seed, cfg.test_fraction)
     from .ocr import generate_ocr_prompts
     from .shapes import generate_shape_prompts
     generate = generate_ocr_prompts if source == "builtin:ocr" else generate_shape_prompts

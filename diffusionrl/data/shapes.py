@@ -151,6 +151,16 @@ def _box(cx: float, cy: float, r: float) -> tuple[float, float, float, float]:
     return (cx - r, cy - r, cx + r, cy + r)
 
 
+def object_box(o: dict[str, Any]) -> tuple[float, float, float, float]:
+    """The box ``(x0, y0, x1, y1)`` of object ``o`` as ``draw_scene`` draws it (what a detector finds)."""
+    cx, cy, r = o["cx"], o["cy"], o["r"]
+    if o["shape"] == "square":
+        return _box(cx, cy, r * 0.85)
+    if o["shape"] == "triangle":
+        return (cx - r, cy - r, cx + r, cy + r * 0.8)
+    return _box(cx, cy, r)
+
+
 def _draw(draw, shape: str, cx: float, cy: float, r: float, fill) -> None:
     if shape == "circle":
         draw.ellipse(_box(cx, cy, r), fill=fill)
@@ -159,6 +169,11 @@ def _draw(draw, shape: str, cx: float, cy: float, r: float, fill) -> None:
         draw.rectangle(_box(cx, cy, h), fill=fill)
     else:  # an upright triangle filling the box
         draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)], fill=fill)
+
+
+def apart(p: dict[str, Any], q: dict[str, Any], resolution: int) -> bool:
+    """Whether objects ``p`` and ``q`` are as far apart as ``layout`` places them (a gap of 6 %)."""
+    return bool(np.hypot(p["cx"] - q["cx"], p["cy"] - q["cy"]) > p["r"] + q["r"] + 0.06 * resolution)
 
 
 def layout(spec: dict[str, Any], rng: np.random.Generator, resolution: int) -> list[dict[str, Any]]:
@@ -177,9 +192,7 @@ def layout(spec: dict[str, Any], rng: np.random.Generator, resolution: int) -> l
             r = rng.uniform(0.11, 0.15) * resolution
             cx, cy = rng.uniform(r + 1, resolution - r - 1, size=2)
             placed.append({**it, "cx": float(cx), "cy": float(cy), "r": float(r)})
-        apart = all(np.hypot(p["cx"] - q["cx"], p["cy"] - q["cy"]) > p["r"] + q["r"] + 0.06 * resolution
-                    for p, q in itertools.combinations(placed, 2))
-        if not apart:
+        if not all(apart(p, q, resolution) for p, q in itertools.combinations(placed, 2)):
             continue
         if rel:
             a = next(p for p in placed if p["index"] == rel["a"])

@@ -1,5 +1,5 @@
-"""Looking up registered rewards by name; the built-in ones (jpeg, geneval_mini, ocr, pickscore,
-video) register on first use."""
+"""Looking up registered rewards by name; the built-in ones (jpeg, geneval_mini, shape_edit, ocr,
+pickscore, video) register on first use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from diffusionrl.config import ConfigError
 
 from .base import _REGISTRY, Reward, validates_prompts
 
-BUILTIN = ("jpeg", "geneval_mini", "ocr", "pickscore", "video")  # modules of this package that register rewards
+# modules of this package that register rewards
+BUILTIN = ("jpeg", "geneval_mini", "shape_edit", "ocr", "pickscore", "video")
 OPTIONAL = ("ocr", "pickscore")  # skipped when a dependency they need at import is missing
 
 
