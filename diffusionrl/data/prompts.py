@@ -12,6 +12,10 @@ Sources (``data.source``):
 - ``hf://datasets/<owner>/<repo>/<path>[@revision]``: a file of a Hugging Face dataset repo,
   downloaded with ``HF_TOKEN`` (unreachable offline; same parsers).
 
+A row may carry an input image (``image``: a path relative to the dataset file, a URI, or the image's bytes) for
+an editing model; ``data.images`` reads and checks it here and rewrites it as a self-contained ``data:`` URI with
+its ``image_sha256`` and ``image_uri``.
+
 Malformed rows raise ``PromptDataError`` (a ``diffusionrl.errors.UserError``) naming the file and line, and so
 do the reward's own prompt checks (e.g. an OCR prompt without a quoted text). A UTF-8 byte-order mark is
 dropped. Blank and duplicate prompts are dropped and counted (a test row that repeats a training prompt is a
@@ -33,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .images import image_base, resolve_row_image, resolve_row_images
 from .objects import generate_object_prompts
 from .readers import READERS, PromptDataError, read_file
 
@@ -163,6 +168,8 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
     stats: dict[str, int] = {}
     if source in BUILTIN_SOURCES:
         train, test = _generated(source, data_cfg)
+        train = [resolve_row_image(r, f"{source} (train) row {i}") for i, r in enumerate(train, start=1)]
+        test = [resolve_row_image(r, f"{source} (test) row {i}") for i, r in enumerate(test, start=1)]
         _validate(validate, train, f"{source} (train)")
         _validate(validate, test, f"{source} (test)")
     elif source.startswith("builtin:"):
@@ -172,7 +179,7 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
         if path.is_dir():
             train, test = _read_split_folder(path, source, stats, validate)
         else:
-            located = clean_rows(read_file(path, source), stats)
+            located = resolve_row_images(clean_rows(read_file(path, source), stats), image_base(source, path))
             if len(located) < 2:
                 raise PromptDataError(f"{source}: {_too_few(len(located), stats)}")
             _validate(validate, [r for _, r in located], source, [w for w, _ in located])
@@ -262,7 +269,7 @@ def _read_split_folder(folder: Path, name: str, stats: dict[str, int], validate=
         where = f"{name.rstrip('/')}/{path.name}"
         split_stats: dict[str, int] = {}
         rows = read_file(path, where)
-        located = clean_rows(rows, split_stats, seen)
+        located = resolve_row_images(clean_rows(rows, split_stats, seen), folder)
         for k, v in split_stats.items():
             stats[k] = stats.get(k, 0) + v
         if not located:
