@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .readers import PromptDataError
+from .readers import PromptDataError, hf_download
 
 DATA_URI = "data:"
 
@@ -42,9 +42,7 @@ def read_image_bytes(ref: str, base: str | Path | None, where: str) -> tuple[byt
         ref += f"@{revision}" if revision else ""
     try:
         if ref.startswith("hf://datasets/"):
-            from .prompts import _hf_download
-
-            return _hf_download(ref).read_bytes(), ref
+            return hf_download(ref).read_bytes(), ref
         if "://" in ref:
             import fsspec
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from .images import image_base, resolve_row_image, resolve_row_images
 from .objects import generate_object_prompts
-from .readers import READERS, PromptDataError, read_file
+from .readers import READERS, PromptDataError, hf_download, read_file
 
 log = logging.getLogger(__name__)
 
@@ -97,25 +97,6 @@ def split_rows(rows: list[dict], test_fraction: float, seed: int) -> tuple[list[
     if rows and not test:  # tiny sets: keep at least one held-out prompt
         test, train = train[-1:], train[:-1]
     return train, test
-
-
-def _hf_download(source: str) -> Path:
-    """``hf://datasets/<owner>/<repo>/<path>[@revision]`` -> local file (uses HF_TOKEN)."""
-    from huggingface_hub import hf_hub_download
-
-    from diffusionrl.models.sd3 import hf_token
-
-    spec = source[len("hf://datasets/") :]
-    revision = None
-    if "@" in spec:
-        spec, revision = spec.rsplit("@", 1)
-    parts = spec.split("/")
-    if len(parts) < 3:
-        raise PromptDataError(f"{source}: expected hf://datasets/<owner>/<repo>/<path>")
-    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
-    return Path(
-        hf_hub_download(repo_id, filename, repo_type="dataset", revision=revision, token=hf_token())
-    )
 
 
 def _fsspec_download(source: str) -> Path:
@@ -207,7 +188,7 @@ def _generated(source: str, cfg) -> tuple[list[dict], list[dict]]:
 def _local_path(source: str) -> Path:
     """A local path for ``source``: downloaded from the hub or an object store, else the path itself."""
     if source.startswith("hf://datasets/"):
-        return _hf_download(source)
+        return hf_download(source)
     if "://" in source:
         return _fsspec_download(source)
     return Path(source).expanduser()
