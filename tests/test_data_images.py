@@ -96,3 +96,13 @@ def test_row_images_of_a_batch():
     assert row_images([{}, {"category": "x"}]) is None and row_images(None) is None
     with pytest.raises(PromptDataError, match="1 of 2 rows in a batch carry no 'image'"):
         row_images([rows[0], {}])
+
+
+def test_one_instruction_on_several_images_is_several_rows_and_a_repeat_is_a_duplicate(tmp_path):
+    write_images(tmp_path)
+    rows = [{"prompt": "make it green", "image": f"imgs/{i}.png"} for i in range(4)]
+    rows.append({"prompt": "make it green", "image": "imgs/0.png"})  # the same edit of the same image again
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ps = load_prompts(DataConfig(source=str(tmp_path / "e.jsonl"), test_fraction=0.3))
+    assert len(ps.train) + len(ps.test) == 4 and ps.stats["duplicate"] == 1
+    assert {r["image_uri"] for r in ps.train + ps.test} == {str(tmp_path / "imgs" / f"{i}.png") for i in range(4)}
