@@ -191,6 +191,23 @@ def test_the_preset_trains_two_steps_and_trajectories_trace_to_the_input_image(e
         data = open(m["image_uri"], "rb").read()
         assert image_bytes(m["image"]) == data and m["image_sha256"] == hashlib.sha256(data).hexdigest()
 
+    # the evaluation and the report show input | base edit | tuned edit
+    from diffusionrl.data import load_prompts
+    from diffusionrl.evaluation import evaluate_lora
+    from diffusionrl.report import build_report
+
+    test_rows = load_prompts(cfg.data).test
+    ev = evaluate_lora(cfg, test_rows, result.model_dir)
+    n = len(ev.table)
+    assert ev.grid.shape == (3 * 32, n * 32, 3) and ev.input_images.shape == (n, 32, 32, 3)
+    assert np.array_equal(ev.grid[:32, :32], ev.input_images[0])
+    assert np.array_equal(ev.grid[32:64], np.concatenate(list(ev.base_images), axis=1))
+    assert ev.table["input_image_sha256"].tolist()[0] == test_rows[0]["image_sha256"]
+    assert not np.array_equal(ev.base_images, ev.tuned_images)
+    page = build_report(config=cfg.to_dict(), metrics=None, eval_table=ev.table, eval_summary=ev.summary, grid=ev.grid)
+    edits = len(ev.table.drop_duplicates(["prompt", "input_image_sha256"]))
+    assert "<th>input</th><th>base</th><th>tuned</th>" in page and page.count('alt="input"') == edits
+
 
 def test_the_sglang_engine_refuses_kontext_naming_why():
     from diffusionrl.rollout.sglang.server import SGLangServer, SGLangServerError
