@@ -214,3 +214,49 @@ def test_the_sglang_engine_refuses_kontext_naming_why():
 
     with pytest.raises(SGLangServerError, match="not 'flux-kontext'.*editing family.*no input image.*engine=local"):
         SGLangServer("python", "/nonexistent", "fp32", family=FluxKontextAdapter.family)
+
+
+def test_the_logged_kontext_lora_edits_the_image_of_a_request(edits, tmp_path):
+    """serving.log_lora_model on the Kontext preset: MLflow's input-example check runs an edit; the pyfunc
+    takes {"prompt", "image"} (bytes or base64), the image changes the output, a bad image is refused."""
+    import base64
+
+    import mlflow
+    import mlflow.pyfunc
+    import pandas as pd
+    from mlflow.exceptions import MlflowException
+
+    from diffusionrl import serving
+    from diffusionrl.tracking import TrackingRun
+    from diffusionrl.train import train
+
+    cfg = tiny_config(f"data.source={edits}", "data.test_fraction=0.2", "train.steps=1", "eval.every=0",
+                      "train.group_size=2", "train.micro_batch_size=4", preset="tiny-cpu-flux-kontext")
+    lora = train(cfg, tmp_path / "run", resume=None, progress=False).model_dir
+    base = save_builtin(TINY_FLUX_KONTEXT_REF, tmp_path / "base")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    experiment = client.create_experiment("kontext", artifact_location=str(tmp_path / "artifacts"))
+    run = TrackingRun(uri, experiment, client.create_run(experiment).info.run_id)
+    source = png(scene("red", "square"))
+    info = serving.log_lora_model(run, cfg, lora, str(base), example_prompt="make it blue", metadata={},
+                                  example_image=source)
+    assert [c["name"] for c in info.signature.inputs.to_dict()] == ["prompt", "image"]
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(info.model_uri)
+    params = {"num_inference_steps": 2}
+    (red,) = model.predict(pd.DataFrame({"prompt": ["make it blue"], "image": [source]}), params=params)
+    (b64,) = model.predict({"prompt": "make it blue", "image": base64.b64encode(source).decode()}, params=params)
+    (green,) = model.predict({"prompt": "make it blue", "image": png(scene("green", "circle"))}, params=params)
+    size = Image.open(io.BytesIO(red)).size
+    assert size == (32, 32) and Image.open(io.BytesIO(green)).size == size
+    # the input image reaches the transformer: another image gives another edit
+    assert not np.array_equal(np.asarray(Image.open(io.BytesIO(red))), np.asarray(Image.open(io.BytesIO(green))))
+    assert Image.open(io.BytesIO(b64)).size == size
+    with pytest.raises(MlflowException, match="image 0 is not a readable image"):
+        model.predict({"prompt": "make it blue", "image": b"not an image"}, params=params)
+    from diffusionrl.serving.request_limits import images_of
+
+    assert images_of({"prompt": ["a", "b"], "image": source}, 2) == [source, source]  # one for all
+    with pytest.raises(MlflowException, match="3 input images for 2 prompts"):
+        images_of({"prompt": ["a", "b"], "image": [source] * 3}, 2)
