@@ -4,6 +4,8 @@ diversity of each side (``heldout.diversity``).
 
 Prompt rows with a ``category`` (the shapes world's) give the table a category column, and a reward's
 per-sample values (``RewardResult.per_sample``, e.g. geneval_mini's success) are averaged per category.
+Rows that carry an input image (an editing dataset, ``data/images.py``) give the table the image's digest and
+the grid a third band above the other two: input | base edit | tuned edit (``report._side_by_side`` reads it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from diffusionrl.config import Config
+from diffusionrl.data.images import row_images
 from diffusionrl.heldout import diversity
 from diffusionrl.models import load_adapter
 from diffusionrl.rewards import MixtureReward
@@ -33,9 +36,20 @@ class EvalResult:
     # and .../category_mean (GenEval's overall: each category counts once)
     summary: dict[str, float]
     grid: np.ndarray  # uint8 grid [H, W, 3] (video: [F, H, W, 3]): base row above tuned row, one column per
-    # sample (prompt-major: a prompt's eval.seeds_per_prompt samples side by side)
+    # sample (prompt-major: a prompt's eval.seeds_per_prompt samples side by side); rows with input images:
+    # the input images' row (each at the sample's size) above both
     base_images: np.ndarray
     tuned_images: np.ndarray
+    input_images: np.ndarray | None = None  # [N, H, W, 3] uint8 at the samples' size: the edited inputs, if any
+
+
+def fit(images: list[np.ndarray], height: int, width: int) -> np.ndarray:
+    """RGB uint8 images resized to ``height x width`` (the grid's cells), ``[N, H, W, 3]``."""
+    from PIL import Image
+
+    return np.stack([im if im.shape[:2] == (height, width) else
+                     np.asarray(Image.fromarray(im).resize((width, height), Image.Resampling.LANCZOS))
+                     for im in images])
 
 
 def eval_resolution(cfg: Config) -> int:
@@ -98,6 +112,10 @@ def evaluate_lora(
     summary: dict[str, float] = {}
     if all("category" in m for m in metadata):
         table.insert(1, "category", [m["category"] for m in metadata])
+    inputs = row_images(metadata)
+    if inputs is not None:  # an editing dataset: which input each sample edited
+        table.insert(1, "input_image_sha256", [m.get("image_sha256", "") for m in metadata])
+        inputs = fit(inputs, *base.images.shape[1:3])
     for name in cfg.reward.weights:
         table[f"base_{name}"] = base_parts[name].scores
         table[f"tuned_{name}"] = tuned_parts[name].scores
@@ -128,5 +146,6 @@ def evaluate_lora(
             "eval/base_diversity": diversity(base.images, prompts),
         }
     )
-    grid = stacked([side_by_side(base.images), side_by_side(tuned.images)])  # video: one grid per frame
-    return EvalResult(table, summary, grid, base.images, tuned.images)
+    bands = [side_by_side(base.images), side_by_side(tuned.images)]  # video: one grid per frame
+    grid = stacked(bands if inputs is None else [side_by_side(inputs), *bands])
+    return EvalResult(table, summary, grid, base.images, tuned.images, inputs)

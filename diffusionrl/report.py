@@ -92,24 +92,32 @@ def category_table(eval_table: pd.DataFrame | None) -> pd.DataFrame | None:
 def _side_by_side(eval_table: pd.DataFrame, grid: np.ndarray) -> list[str]:
     """One row per held-out prompt: its category, its base and its tuned images (cut from the eval grid:
     base row above tuned row, one column per sample, a prompt's samples side by side) and whether
-    each succeeded."""
+    each succeeded; for an editing dataset (an ``input_image_sha256`` column) the input image first (the
+    grid's top band), one row per prompt and input."""
     n = len(eval_table)
-    h, w = grid.shape[0] // 2, grid.shape[1] // n
+    editing = "input_image_sha256" in eval_table.columns
+    sides = ("input", "base", "tuned") if editing else ("base", "tuned")
+    h, w = grid.shape[0] // len(sides), grid.shape[1] // n
     success = next((c[len("base_"):] for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")),
                    None)
-    rows = ["<table><tr><th>prompt</th><th>category</th><th>base</th><th>tuned</th></tr>"]
+    rows = ["<table><tr><th>prompt</th><th>category</th>" + "".join(f"<th>{s}</th>" for s in sides) + "</tr>"]
     samples = list(eval_table.itertuples(index=False))
+
+    def key(i: int) -> tuple:
+        return (samples[i].prompt, samples[i].input_image_sha256 if editing else "")
+
     start = 0
     while start < n:
         end = start
-        while end < n and samples[end].prompt == samples[start].prompt:
+        while end < n and key(end) == key(start):
             end += 1
         cells = []
-        for side, band in (("base", grid[:h]), ("tuned", grid[h:])):
+        for k, side in enumerate(sides):
+            band = grid[k * h:(k + 1) * h]
             images = []
-            for i in range(start, end):
+            for i in range(start, end if side != "input" else start + 1):  # one input per row
                 mark = ""
-                if success is not None:
+                if success is not None and side != "input":
                     ok = getattr(samples[i], f"{side}_{success}") >= 0.5
                     mark = f"<br><span class='{'ok' if ok else 'bad'}'>{'&#10003;' if ok else '&#10007;'}</span>"
                 image = _img(band[:, i * w:(i + 1) * w], side, width=3 * w)
@@ -226,8 +234,10 @@ def build_report(
     if per_category is not None:
         parts += ["<h2>Accuracy per category (held-out prompts): base vs tuned</h2>",
                   per_category.to_html(index=False, float_format=lambda x: f"{x:.2f}")]
-    if grid is not None and per_category is not None and len(eval_table):
-        parts += ["<h2>Held-out prompts: base vs tuned, same seeds</h2>", *_side_by_side(eval_table, grid)]
+    editing = eval_table is not None and "input_image_sha256" in eval_table.columns
+    if grid is not None and (per_category is not None or editing) and len(eval_table):
+        title = "Held-out edits: input, base vs tuned" if editing else "Held-out prompts: base vs tuned"
+        parts += [f"<h2>{title}, same seeds</h2>", *_side_by_side(eval_table, grid)]
     elif grid is not None:
         parts += ["<h2>Held-out prompts: base (top) vs tuned (bottom), same seeds</h2>",
                   _img(grid, "eval grid", width=min(1400, grid.shape[-2] * 2))]

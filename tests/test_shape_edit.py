@@ -101,12 +101,14 @@ def test_held_out_instructions_never_appear_in_training_and_rows_are_reproducibl
     assert len(prompts.train) == 60 and len(prompts.test) == 15
     assert not {r["prompt"] for r in prompts.train} & {r["prompt"] for r in prompts.test}
     assert {r["category"] for r in prompts.test} == set(CATEGORIES)
-    assert set(prompts.train[0]) == {"prompt", "image", "category", "source", "target"}
+    # the generator's row, its PNG made a data: URI with its digest on loading (data/images.py)
+    assert set(prompts.train[0]) == {"prompt", "image", "category", "source", "target", "image_sha256"}
+    assert prompts.train[0]["image"].startswith("data:image/png;base64,")
     again = load_prompts(DataConfig(source=SOURCE, test_fraction=0.2, seed=0))
     assert again.train == prompts.train and again.test == prompts.test and again.digest == prompts.digest
     other = load_prompts(DataConfig(source=SOURCE, test_fraction=0.2, seed=1))
     assert other.train != prompts.train and other.digest != prompts.digest
-    changed = [{**r, "image": r["image"][:-1] + b"x"} if i == 0 else r for i, r in enumerate(prompts.train)]
+    changed = [{**r, "image": r["image"][:-4] + "AAAA"} if i == 0 else r for i, r in enumerate(prompts.train)]
     assert rows_digest(changed, prompts.test) != prompts.digest  # the source image counts in the digest
     assert len(load_prompts(DataConfig(source="builtin:shape-edits", num_prompts=10, test_fraction=0.2)).train) == 10
     for bad in ("builtin:shape-edits:0", "builtin:shape-edits:x", "builtin:shape-editsx"):

@@ -1,4 +1,4 @@
-"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2 and Wan2.2.
+"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2, Wan2.2 and FLUX.1 Kontext.
 
 ``TINY_EXT_PRESETS`` are laid over ``presets.TINY_CPU`` (as every ``tiny-cpu-*`` preset);
 ``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both, and
@@ -212,11 +212,28 @@ WAN22_T2V_A14B_OCR: dict[str, Any] = {
     "tracking": {"registered_model": "wan22-t2v-a14b-ocr"},
 }
 
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-flux-kontext (FLUX.1 Kontext, image editing), tiny-cpu-flux's
+# settings (guidance-distilled 3.5, flow_grpo's FLUX targets plus the single-stream MLP and output projections).
+# It edits the input images of the builtin:shape-edits rows (data/shape_edits.py: an instruction, its source
+# scene as the row's ``image``); any dataset whose rows carry an ``image`` works (data/images.py). The tiny model
+# is untrained, so the reward stays JPEG compressibility; shape_edit judges a trained edit model's edits.
+TINY_CPU_FLUX_KONTEXT: dict[str, Any] = {
+    "data": {"source": "builtin:shape-edits"},
+    "model": {"name": "builtin:tiny-flux-kontext", "lora_targets": [
+        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+        "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+        "ff_context.net.2", "proj_mlp", "proj_out"]},
+    "sampling": {"guidance_scale": 3.5},
+    "eval": {"guidance_scale": 3.5},
+    "tracking": {"registered_model": "tiny-flux-kontext-jpeg"},
+}
+
 TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-mixgrpo": (TINY_CPU_MIXGRPO,),
     "tiny-cpu-zimage": (TINY_CPU_ZIMAGE,),
     "tiny-cpu-flux2": (TINY_CPU_FLUX2,),
     "tiny-cpu-flux2-klein": (TINY_CPU_FLUX2_KLEIN,),
+    "tiny-cpu-flux-kontext": (TINY_CPU_FLUX_KONTEXT,),
 }
 GPU_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "zimage-turbo-pickscore": (ZIMAGE_TURBO_PICKSCORE,),

@@ -2,6 +2,7 @@
 
 - ``prompts``: ``load_prompts`` (sources, validation, the deterministic train/test split),
   ``source_fingerprint``, ``PromptSampler`` (which prompts a step uses);
+- ``images``: the input images of editing rows (``image``: path, URI or bytes), read, checked and decoded;
 - ``readers``: the ``.txt`` / ``.jsonl`` / ``.parquet`` readers and ``PromptDataError``;
 - ``objects``, ``ocr``, ``shapes``: the built-in prompt generators (``builtin:objects``,
   ``builtin:ocr``, ``builtin:shapes``; ``shapes`` also draws the world's scenes);

@@ -14,13 +14,19 @@ Sources (``data.source``):
 - ``hf://datasets/<owner>/<repo>/<path>[@revision]``: a file of a Hugging Face dataset repo,
   downloaded with ``HF_TOKEN`` (unreachable offline; same parsers).
 
+A row may carry an input image (``image``: a path relative to the dataset file, a URI, or the image's bytes) for
+an editing model; ``data.images`` reads and checks it here and rewrites it as a self-contained ``data:`` URI with
+its ``image_sha256`` and ``image_uri``.
+
 Malformed rows raise ``PromptDataError`` (a ``diffusionrl.errors.UserError``) naming the file and line, and so
 do the reward's own prompt checks (e.g. an OCR prompt without a quoted text). A UTF-8 byte-order mark is
 dropped. Blank and duplicate prompts are dropped and counted (a test row that repeats a training prompt is a
-duplicate). Every source must give both splits, non-empty and disjoint, or ``load_prompts`` fails saying why;
+duplicate; a row with an input image is a duplicate only with the same prompt on the same image: ``row_key``).
+Every source must give both splits, non-empty and disjoint, or ``load_prompts`` fails saying why;
 it runs before any model is loaded (``train.build_loop``, and the workflow's ``prepare_prompts``, which the
-base-weights fetch waits for). The split of a single file or generator is by a hash of each prompt's text, so it
-does not depend on row order and a prompt never moves between train and test when rows are added.
+base-weights fetch waits for). The split of a single file or generator is by a hash of each prompt's text (and
+input image digest), so it does not depend on row order and a prompt never moves between train and test when
+rows are added.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from .images import image_base, resolve_row_image, resolve_row_images
 from .objects import generate_object_prompts
-from .readers import READERS, PromptDataError, read_file
+from .readers import READERS, PromptDataError, hf_download, read_file
 from .shape_edits import SOURCE as EDIT_SOURCE
 from .shape_edits import generate_edit_prompts
 
@@ -75,7 +82,7 @@ def _bytes_digest(value: Any) -> str:
 def clean_rows(
     rows: list[tuple[str, dict[str, Any]]], stats: dict[str, int], seen: set[str] | None = None
 ) -> list[tuple[str, dict[str, Any]]]:
-    """Strip prompts, drop (and count) blank and duplicate ones (``seen``: prompts kept before);
+    """Strip prompts, drop (and count) blank and duplicate ones (``seen``: ``row_key``s kept before);
     each kept row keeps its ``where``."""
     seen = set() if seen is None else seen
     out = []
@@ -84,12 +91,23 @@ def clean_rows(
         if not prompt:
             stats["blank"] = stats.get("blank", 0) + 1
             continue
-        if prompt in seen:
+        key = row_key({**row, "prompt": prompt})
+        if key in seen:
             stats["duplicate"] = stats.get("duplicate", 0) + 1
             continue
-        seen.add(prompt)
+        seen.add(key)
         out.append((where, {**row, "prompt": prompt}))
     return out
+
+
+IMAGE_KEY_SEPARATOR = "\x00image:"
+
+
+def row_key(row: dict[str, Any]) -> str:
+    """What makes a row distinct (duplicates, the split): its prompt, and its input image's digest where it
+    has one (an editing dataset gives one instruction to many images). A text row's key is its prompt."""
+    digest = row.get("image_sha256")
+    return row["prompt"] if digest is None else f"{row['prompt']}{IMAGE_KEY_SEPARATOR}{digest}"
 
 
 def split_rows(rows: list[dict], test_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -99,30 +117,11 @@ def split_rows(rows: list[dict], test_fraction: float, seed: int) -> tuple[list[
         h = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
         return int.from_bytes(h[:8], "big") / 2**64
 
-    train = [r for r in rows if bucket(r["prompt"]) >= test_fraction]
-    test = [r for r in rows if bucket(r["prompt"]) < test_fraction]
+    train = [r for r in rows if bucket(row_key(r)) >= test_fraction]
+    test = [r for r in rows if bucket(row_key(r)) < test_fraction]
     if rows and not test:  # tiny sets: keep at least one held-out prompt
         test, train = train[-1:], train[:-1]
     return train, test
-
-
-def _hf_download(source: str) -> Path:
-    """``hf://datasets/<owner>/<repo>/<path>[@revision]`` -> local file (uses HF_TOKEN)."""
-    from huggingface_hub import hf_hub_download
-
-    from diffusionrl.models.sd3 import hf_token
-
-    spec = source[len("hf://datasets/") :]
-    revision = None
-    if "@" in spec:
-        spec, revision = spec.rsplit("@", 1)
-    parts = spec.split("/")
-    if len(parts) < 3:
-        raise PromptDataError(f"{source}: expected hf://datasets/<owner>/<repo>/<path>")
-    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
-    return Path(
-        hf_hub_download(repo_id, filename, repo_type="dataset", revision=revision, token=hf_token())
-    )
 
 
 def _fsspec_download(source: str) -> Path:
@@ -175,6 +174,8 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
     stats: dict[str, int] = {}
     if source in BUILTIN_SOURCES or source.startswith(f"{EDIT_SOURCE}:"):
         train, test = _generated(source, data_cfg)
+        train = [resolve_row_image(r, f"{source} (train) row {i}") for i, r in enumerate(train, start=1)]
+        test = [resolve_row_image(r, f"{source} (test) row {i}") for i, r in enumerate(test, start=1)]
         _validate(validate, train, f"{source} (train)")
         _validate(validate, test, f"{source} (test)")
     elif source.startswith("builtin:"):
@@ -184,7 +185,7 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
         if path.is_dir():
             train, test = _read_split_folder(path, source, stats, validate)
         else:
-            located = clean_rows(read_file(path, source), stats)
+            located = clean_rows(resolve_row_images(read_file(path, source), image_base(source, path)), stats)
             if len(located) < 2:
                 raise PromptDataError(f"{source}: {_too_few(len(located), stats)}")
             _validate(validate, [r for _, r in located], source, [w for w, _ in located])
@@ -214,7 +215,7 @@ def _generated(source: str, cfg) -> tuple[list[dict], list[dict]]:
 def _local_path(source: str) -> Path:
     """A local path for ``source``: downloaded from the hub or an object store, else the path itself."""
     if source.startswith("hf://datasets/"):
-        return _hf_download(source)
+        return hf_download(source)
     if "://" in source:
         return _fsspec_download(source)
     return Path(source).expanduser()
@@ -251,9 +252,10 @@ def _check_splits(source: str, train: list[dict], test: list[dict], test_fractio
             f"{source}: the {empty} split is empty: all {len(other)} prompts fell on the other side at "
             f"data.test_fraction={test_fraction}; change it"
         )
-    both = {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    both = {row_key(r) for r in train} & {row_key(r) for r in test}
     if both:
-        raise PromptDataError(f"{source}: {len(both)} prompts are in both splits, e.g. {sorted(both)[0]!r}")
+        example = sorted(both)[0].split(IMAGE_KEY_SEPARATOR)[0]
+        raise PromptDataError(f"{source}: {len(both)} prompts are in both splits, e.g. {example!r}")
 
 
 def _read_split_folder(folder: Path, name: str, stats: dict[str, int], validate=None) -> tuple[list[dict], list[dict]]:
@@ -276,7 +278,7 @@ def _read_split_folder(folder: Path, name: str, stats: dict[str, int], validate=
         where = f"{name.rstrip('/')}/{path.name}"
         split_stats: dict[str, int] = {}
         rows = read_file(path, where)
-        located = clean_rows(rows, split_stats, seen)
+        located = clean_rows(resolve_row_images(rows, folder), split_stats, seen)
         for k, v in split_stats.items():
             stats[k] = stats.get(k, 0) + v
         if not located:

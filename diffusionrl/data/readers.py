@@ -77,6 +77,25 @@ def read_parquet(path: Path, name: str | None = None) -> list[tuple[str, dict[st
     return rows
 
 
+def hf_download(source: str) -> Path:
+    """``hf://datasets/<owner>/<repo>/<path>[@revision]`` -> local file (uses HF_TOKEN)."""
+    from huggingface_hub import hf_hub_download
+
+    from diffusionrl.models.sd3 import hf_token
+
+    spec = source[len("hf://datasets/") :]
+    revision = None
+    if "@" in spec:
+        spec, revision = spec.rsplit("@", 1)
+    parts = spec.split("/")
+    if len(parts) < 3:
+        raise PromptDataError(f"{source}: expected hf://datasets/<owner>/<repo>/<path>")
+    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
+    return Path(
+        hf_hub_download(repo_id, filename, repo_type="dataset", revision=revision, token=hf_token())
+    )
+
+
 READERS = {".txt": read_txt, ".jsonl": read_jsonl, ".parquet": read_parquet}
 
 

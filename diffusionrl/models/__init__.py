@@ -7,10 +7,11 @@ from .base import FlowAdapter, hf_token, module_digest, resolve_device
 from .families import ADAPTERS, adapter_class, load_adapter, load_pipeline, pipeline_class_of, save_builtin
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
+from .flux_kontext import FluxKontextAdapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .tiny import TINY_REF, build_tiny_sd3_pipeline, save_tiny_sd3
-from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline
+from .tiny_flux import TINY_FLUX_KONTEXT_REF, TINY_FLUX_REF, build_tiny_flux_kontext_pipeline, build_tiny_flux_pipeline
 from .tiny_flux2 import TINY_FLUX2_KLEIN_REF, TINY_FLUX2_REF, build_tiny_flux2_klein_pipeline, build_tiny_flux2_pipeline
 from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline
 from .tiny_wan import TINY_WAN22_REF, TINY_WAN_REF, build_tiny_wan22_pipeline, build_tiny_wan_pipeline
@@ -24,10 +25,12 @@ __all__ = [
     "Flux2Adapter",
     "Flux2KleinAdapter",
     "FluxAdapter",
+    "FluxKontextAdapter",
     "QwenImageAdapter",
     "SD3Adapter",
     "TINY_FLUX2_KLEIN_REF",
     "TINY_FLUX2_REF",
+    "TINY_FLUX_KONTEXT_REF",
     "TINY_FLUX_REF",
     "TINY_QWEN_IMAGE_REF",
     "TINY_REF",
@@ -40,6 +43,7 @@ __all__ = [
     "adapter_class",
     "build_tiny_flux2_klein_pipeline",
     "build_tiny_flux2_pipeline",
+    "build_tiny_flux_kontext_pipeline",
     "build_tiny_flux_pipeline",
     "build_tiny_qwen_image_pipeline",
     "build_tiny_sd3_pipeline",

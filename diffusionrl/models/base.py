@@ -99,6 +99,7 @@ class FlowAdapter:
     components: tuple[str, ...] = ()  # the pipeline's modules (frozen, eval mode, digested)
     pipeline_logger = ""  # the diffusers pipeline module whose truncation warnings are replaced
     video = False  # True: samples are videos (latents [C, F', H, W], decoded frames [F, H, W, 3])
+    editing = False  # True: samples edit the prompt row's input image (``encode_references``; FLUX.1 Kontext)
 
     def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
         self.pipe = pipe.to(device)

@@ -27,13 +27,14 @@ from diffusionrl.errors import UserError
 from .base import DTYPES, FlowAdapter, dtype_kwargs, hf_token, no_progress_bars, resolve_device
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
+from .flux_kontext import FluxKontextAdapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter
 from .zimage import ZImageAdapter
 
 ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter, ZImageAdapter,
-                                           Flux2Adapter, Flux2KleinAdapter)
+                                           Flux2Adapter, Flux2KleinAdapter, FluxKontextAdapter)
 
 
 class ModelReferenceError(UserError):

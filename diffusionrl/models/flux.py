@@ -84,15 +84,22 @@ class FluxAdapter(PackedLatents, FlowAdapter):
             guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(b)
         embeds = cond.prompt_embeds.to(self.device, dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dtype)
+        hidden, img_ids = self.image_tokens(latents, cond, dtype)
         with self.autocast():
             out = transformer(
-                hidden_states=pack(latents.to(self.device, dtype)),
+                hidden_states=hidden,
                 timestep=t / 1000,
                 guidance=guidance,
                 pooled_projections=cond.pooled_embeds.to(self.device, dtype),
                 encoder_hidden_states=embeds,
                 txt_ids=txt_ids,
-                img_ids=image_ids(h, w, self.device, dtype),
+                img_ids=img_ids,
                 return_dict=False,
             )[0]
-        return unpack(out.float(), h, w)
+        return unpack(out[:, : (h // 2) * (w // 2)].float(), h, w)  # the noisy latents' tokens come first
+
+    def image_tokens(self, latents: torch.Tensor, cond: Conditioning, dtype: torch.dtype) -> tuple:
+        """The transformer's image tokens ``[B, N, 64]`` and their position ids ``[N, 3]``: the packed
+        latents (FLUX.1 Kontext appends its input image's, ``models/flux_kontext.py``)."""
+        _, _, h, w = latents.shape
+        return pack(latents.to(self.device, dtype)), image_ids(h, w, self.device, dtype)

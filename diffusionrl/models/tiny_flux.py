@@ -10,6 +10,7 @@ constructor runs right after ``torch.manual_seed(TINY_SEED + k)``, so the weight
 on every machine with the same torch version.
 
 ``models.save_builtin(ref, dir)`` writes a folder that ``FluxPipeline.from_pretrained(dir)`` loads.
+``builtin:tiny-flux-kontext`` is the same components behind ``FluxKontextPipeline`` (image editing).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from .tiny import TINY_SEED, build_tokenizers, make_decoder_faithful
 
 TINY_FLUX_REF = "builtin:tiny-flux"
+TINY_FLUX_KONTEXT_REF = "builtin:tiny-flux-kontext"  # the same components behind FluxKontextPipeline
 
 
 def build_tiny_flux_components() -> dict:
@@ -100,3 +102,11 @@ def build_tiny_flux_pipeline():
     from diffusers import FluxPipeline
 
     return FluxPipeline(**build_tiny_flux_components())
+
+
+def build_tiny_flux_kontext_pipeline():
+    """``builtin:tiny-flux-kontext``: FLUX.1 Kontext's pipeline (image editing) over the tiny FLUX.1
+    components; Kontext-dev has FLUX.1-dev's architecture, its input image enters as extra tokens."""
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**build_tiny_flux_components())

@@ -3,7 +3,8 @@
 It owns its own copy of the LoRA-wrapped transformer; ``update_weights`` copies the trainer's
 LoRA tensors into it (the in-process form of the weight push that the SGLang engine does over
 HTTP or CUDA IPC). Sampling runs in micro-batches of ``micro_batch_size`` samples and records
-that composition in the trajectory, so the trainer can recompute bitwise-equal log-probs.
+that composition in the trajectory, so the trainer can recompute bitwise-equal log-probs. Rows that
+carry an input image (an editing dataset) have it encoded into the conditioning (``image_latents``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from diffusionrl.algorithms.sde import dpm_solver_2m_step, step_with_logprob
+from diffusionrl.config import ConfigError
+from diffusionrl.data.images import row_images
 from diffusionrl.models.base import FlowAdapter
 from diffusionrl.trajectory import Conditioning, Trajectory
 
@@ -75,6 +78,13 @@ class LocalRolloutEngine:
         sigmas, timesteps = self.adapter.schedule(spec.num_steps, spec.resolution)
         negative = spec.negative_prompt if self.adapter.needs_negative(spec.guidance_scale) else None
         cond = self.adapter.encode_prompts(prompts, negative, spec.max_sequence_length)
+        references = row_images(metadata)  # the rows' input images (an editing dataset), else None
+        if references is not None:
+            if not self.adapter.editing:
+                raise ConfigError(f"the prompt rows carry an input image ('image'), but {self.adapter.family} "
+                                  "is a text-to-image model; use an editing model (e.g. builtin:tiny-flux-kontext) "
+                                  "or prompts without images")
+            cond.image_latents = self.adapter.encode_references(references, spec.resolution)
 
         latents, log_probs, images = [], [], []
         micro = batch.micro_batch_size

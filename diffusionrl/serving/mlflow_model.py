@@ -14,13 +14,14 @@ from .signature import model_signature
 
 
 def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, example_prompt: str,
-                   metadata: dict[str, str], card: str = ""):
+                   metadata: dict[str, str], card: str = "", example_image: bytes | None = None):
     """The LoRA as an ``mlflow.diffusers`` model of the workflow run -> ModelInfo.
 
     MLflow checks the input example by loading the model through pyfunc and generating from it
     (a failure there is logged as a warning): the registered model is known to serve. Its pyfunc
     refuses requests outside ``request_limits`` (listed in the model's ``request_limits`` metadata).
-    ``card`` (``model_card.render_card``, diffusers layout) is the adapter folder's ``README.md``."""
+    ``card`` (``model_card.render_card``, diffusers layout) is the adapter folder's ``README.md``.
+    ``example_image``: an editing model's input example's image (encoded bytes; the held-out row's)."""
     import mlflow
     import pandas as pd
     from mlflow.models import Model
@@ -52,6 +53,7 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
             adapter_path=str(adapter),
             base_model=base_ref,
             signature=signature,
-            input_example=pd.DataFrame({"prompt": [example_prompt]}),
+            input_example=pd.DataFrame({"prompt": [example_prompt], **(
+                {"image": [example_image]} if family.editing and example_image is not None else {})}),
             metadata={**metadata, "request_limits": request_limits.describe(p.name for p in signature.params)},
         )

@@ -168,6 +168,7 @@ def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, 
     ``model_card/README.md``), register it with a description (base model, objective, reward,
     steps, held-out score vs base, run id), and re-score a champion evaluated otherwise on this
     run's held-out prompts."""
+    from diffusionrl.data.images import image_bytes
     from diffusionrl.evaluation import evaluate_lora
     from diffusionrl.models.fetch import base_model_reference
 
@@ -177,7 +178,8 @@ def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, 
     results = summary if summary else {"eval/reward_mean": score}
     card = render_card(facts, results, layout=DIFFUSERS)
     info = log_lora_model(run, cfg, lora_dir, base_model_reference(cfg.model.name, model_path, model_digest),
-                          example_prompt=test_rows[0]["prompt"], metadata=lineage, card=card)
+                          example_prompt=test_rows[0]["prompt"], metadata=lineage, card=card,
+                          example_image=image_bytes(test_rows[0]["image"]) if test_rows[0].get("image") else None)
     client(run.uri).log_text(run.run_id, card, "model_card/README.md")
 
     def rescore(model_dir: Path) -> float:

@@ -12,7 +12,10 @@ and its range (``RequestError``, an ``MlflowException`` with ``INVALID_PARAMETER
 - images (``mlflow.diffusers``): this module is the model's pyfunc loader (``_load_pyfunc``), shipped
   with it as its code (``code/request_limits.py``: ``save_model``, what ``mlflow_model.log_lora_model``
   logs with) around MLflow's own diffusers wrapper, so serving still needs no diffusionrl install;
-  hence it imports only the standard library and mlflow (pandas through mlflow);
+  hence it imports only the standard library and mlflow (pandas through mlflow; Pillow, which diffusers
+  needs, for input images). An editing model (FLUX.1 Kontext) also takes ``{"prompt", "image"}``: one
+  input image (encoded bytes, or base64 as JSON carries them) per prompt or one for all (``images_of``),
+  each edited as training sampled it (``BoundedDiffusers.edit``);
 - videos: ``video_model.VideoLoraModel.predict``; text (block diffusion): ``bdlm.serving.BDLMDecoder``.
 """
 
@@ -28,6 +31,8 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 LOADER_MODULE = "request_limits"  # the image model's pyfunc loader: this file, as the model's code/
 MAX_PROMPTS = 64  # prompts per request
 MAX_PROMPT_CHARS = 1000  # characters per prompt (and per negative prompt)
+MAX_IMAGE_BYTES = 32 * 2**20  # per input image (editing models)
+GENERATION_PARAMS = ("num_inference_steps", "guidance_scale", "height", "width", "negative_prompt")  # MLflow's
 
 
 class RequestError(MlflowException):
@@ -147,8 +152,53 @@ def prompts_of(model_input) -> list[str]:
     return prompts
 
 
+def images_of(model_input, n: int) -> list[bytes] | None:
+    """The input images of a request to an editing model (a DataFrame's ``image`` column, a dict's
+    ``image``): encoded bytes or their base64, one per prompt or one for all ``n``; None when there are none."""
+    import base64
+    import binascii
+
+    import pandas as pd
+
+    if isinstance(model_input, pd.DataFrame) and "image" in model_input.columns:
+        images = _flatten(model_input["image"].tolist())
+    elif isinstance(model_input, dict) and model_input.get("image") is not None:
+        images = model_input["image"]
+        images = images if isinstance(images, (list, tuple)) else [images]
+    else:
+        return None
+    images = [i for i in images if i is not None]
+    if not images:
+        return None
+    if len(images) not in (1, n):
+        raise RequestError(f"request: {len(images)} input images for {n} prompts; send one per prompt or one for all")
+    out = []
+    for i, image in enumerate(images):
+        if isinstance(image, str):
+            try:
+                image = base64.b64decode(image, validate=True)
+            except (binascii.Error, ValueError):
+                raise RequestError(f"request: image {i} is a string but not base64-encoded image bytes") from None
+        if not isinstance(image, (bytes, bytearray)):
+            raise RequestError(f"request: image {i} is {type(image).__name__}, not encoded image bytes")
+        if len(image) > MAX_IMAGE_BYTES:
+            raise RequestError(f"request: image {i} has {len(image)} bytes; at most {MAX_IMAGE_BYTES}")
+        out.append(bytes(image))
+    return out * n if len(out) == 1 else out
+
+
+def reference_size(height: int, width: int, area: int, multiple: int = 16) -> tuple[int, int]:
+    """Where an editing model's input image is encoded: its aspect at ``area`` pixels, in whole
+    ``multiple``-pixel patches (``models/flux_kontext.FluxKontextAdapter.reference_size``, as trained)."""
+    aspect = width / height
+    w = round((area * aspect) ** 0.5) // multiple * multiple
+    h = round((area / aspect) ** 0.5) // multiple * multiple
+    return max(h, multiple), max(w, multiple)
+
+
 class BoundedDiffusers:
-    """MLflow's diffusers pyfunc wrapper, behind the request limits."""
+    """MLflow's diffusers pyfunc wrapper, behind the request limits; an editing model's requests with
+    input images go to its pipeline here (MLflow's wrapper passes prompts only)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -158,8 +208,46 @@ class BoundedDiffusers:
 
     def predict(self, data, params: dict[str, Any] | None = None):
         prompts = prompts_of(data)
+        images = images_of(data, len(prompts))
         check_params(params)
-        return self.inner.predict(prompts, params)
+        if images is None:
+            return self.inner.predict(prompts, params)
+        return self.edit(prompts, images, params or {})
+
+    def edit(self, prompts: list[str], images: list[bytes], params: dict[str, Any]) -> list[bytes]:
+        """Each prompt's edit of its image, PNG bytes: the image resized to the output's area at its own
+        aspect (``reference_size``) and passed as the pipeline's ``image``, output at ``height x width``."""
+        import inspect
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        pipeline = self.get_raw_model()
+        accepted = inspect.signature(pipeline.__call__).parameters
+        if "image" not in accepted:
+            raise RequestError(f"request: this model ({type(pipeline).__name__}) does not edit images; send prompts "
+                               "without an 'image'")
+        kwargs = {k: params[k] for k in GENERATION_PARAMS if k in params and params[k] != ""}
+        height = kwargs.get("height") or pipeline.default_sample_size * pipeline.vae_scale_factor
+        width = kwargs.get("width") or height
+        if "max_area" in accepted:  # Kontext: the output at height x width, not rescaled to its 1 MP default
+            kwargs.update(height=height, width=width, max_area=height * width)
+        if "_auto_resize" in accepted:
+            kwargs["_auto_resize"] = False  # the input at reference_size, as trained
+        out = []
+        for i, (prompt, data) in enumerate(zip(prompts, images)):
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    image = im.convert("RGB")
+            except (UnidentifiedImageError, OSError) as exc:
+                raise RequestError(f"request: image {i} is not a readable image ({exc})") from None
+            h, w = reference_size(image.height, image.width, height * width)
+            image = pipeline.image_processor.resize(image, h, w)  # what the adapter does before encoding
+            result = pipeline(prompt=prompt, image=image, **kwargs).images[0]
+            buf = io.BytesIO()
+            result.save(buf, format="PNG")
+            out.append(buf.getvalue())
+        return out
 
 
 def _load_pyfunc(path, model_config=None):

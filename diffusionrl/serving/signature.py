@@ -1,5 +1,5 @@
-"""The served image model's signature: prompt -> PNG bytes, this run's evaluation settings as the
-generation params' defaults, within ``request_limits.LIMITS``."""
+"""The served image model's signature: prompt (and, for an editing model, an optional input image) ->
+PNG bytes, this run's evaluation settings as the generation params' defaults, within ``request_limits.LIMITS``."""
 
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ def model_signature(cfg, family=None):
     from mlflow.types.schema import ColSpec
 
     types = {int: DataType.integer, float: DataType.double, str: DataType.string}
+    inputs = [ColSpec(type=DataType.string, name="prompt")]
+    if getattr(family, "editing", False):  # the image to edit (encoded bytes; base64 in JSON)
+        inputs.append(ColSpec(type=DataType.binary, name="image", required=False))
     return ModelSignature(
-        inputs=Schema([ColSpec(type=DataType.string, name="prompt")]),
+        inputs=Schema(inputs),
         outputs=Schema([ColSpec(type=DataType.binary, name="image")]),
         params=ParamSchema([ParamSpec(name=k, dtype=types[type(v)], default=v)
                             for k, v in image_params(cfg, family).items()]),

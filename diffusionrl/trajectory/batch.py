@@ -18,7 +18,8 @@ class TrajectoryError(ValueError):
 
 @dataclass
 class Conditioning:
-    """Text conditioning of B samples (what the transformer attends to)."""
+    """Conditioning of B samples (what the transformer attends to): the text's, and an editing family's
+    input image (``image_latents``: its VAE latents, which the transformer sees beside the noisy ones)."""
 
     prompt_embeds: torch.Tensor  # [B, S, D]
     pooled_embeds: torch.Tensor  # [B, P] (P = 0: a family without a pooled embedding, e.g. Qwen-Image)
@@ -28,9 +29,12 @@ class Conditioning:
     # (Qwen-Image); None where every token counts (SD3, FLUX) or, as diffusers does, none is padding
     prompt_embeds_mask: torch.Tensor | None = None
     negative_prompt_embeds_mask: torch.Tensor | None = None  # [B, S']
+    # [B, C, h, w] float32: the input image's spatial VAE latents (editing families: FLUX.1 Kontext); None for
+    # text-to-image. Same layout as the trajectory's latents, so rollouts, recompute and the trainer select it alike.
+    image_latents: torch.Tensor | None = None
 
     FIELDS = ("prompt_embeds", "pooled_embeds", "negative_prompt_embeds", "negative_pooled_embeds",
-              "prompt_embeds_mask", "negative_prompt_embeds_mask")
+              "prompt_embeds_mask", "negative_prompt_embeds_mask", "image_latents")
 
     def __len__(self) -> int:
         return self.prompt_embeds.shape[0]
@@ -80,6 +84,8 @@ class Conditioning:
                 if embeds is None:
                     raise TrajectoryError("a prompt_embeds mask without its embeddings")
                 _check(mask, "prompt_embeds_mask", shape=tuple(embeds.shape[:2]))
+        if self.image_latents is not None:
+            _check(self.image_latents, "image_latents", ndim=4, first=batch, floating=True)
 
 
 def _check(

@@ -13,6 +13,7 @@ Plain pandas verifies too when asked: ``pd.read_parquet(dir, page_checksum_verif
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from pathlib import Path
@@ -100,9 +101,46 @@ OPTIONAL_COLUMNS = [
     "frames_png",  # list<binary>: PNG bytes of each decoded frame (video models; schema version 2)
     "latents",  # list<float32>: [T+1, C, H, W] (video: [T+1, C, F', H, W]) flattened (latent_shape gives the shape)
     "latent_shape",  # list<int32>: [T+1, C, H, W] (video: [T+1, C, F', H, W])
-    "prompt_embeds",  # list<float32> + embeds_shape [S, D] (and the pooled/negative ones, and the
-    #                   token masks of families that pad text: prompt_embeds_mask [S] as 0/1)
+    "prompt_embeds",  # list<float32> + embeds_shape [S, D] (and the pooled/negative ones, the token masks
+    #                   of families that pad text: prompt_embeds_mask [S] as 0/1, an editing family's
+    #                   image_latents [C, h, w])
+    "input_image_sha256",  # string: sha256 of the prompt row's input image (editing datasets: rows with ``image``)
+    "input_image_uri",  # string (null for generated/bytes rows): where the input image was read from
+    "input_image",  # binary: the input image's encoded bytes (with the images, or when it has no URI)
 ]
+
+
+def _input_image_columns(meta: list[dict], images: bool) -> tuple[list[dict], dict[str, pa.Array]]:
+    """The rows' input images (``image``: a ``data:`` URI, ``data/images.py``) as their own columns: the
+    digest and URI always, the bytes with the images or where there is no URI to trace them by. The
+    metadata JSON keeps the rest (not the bytes twice)."""
+    if not any(isinstance(m.get("image"), str) for m in meta):
+        return meta, {}
+    data = [base64.b64decode(m["image"].partition(",")[2]) if isinstance(m.get("image"), str) else None
+            for m in meta]
+    keep = [d if images or not m.get("image_uri") else None for d, m in zip(data, meta)]
+    cols = {
+        "input_image_sha256": pa.array([m.get("image_sha256") for m in meta], pa.string()),
+        "input_image_uri": pa.array([m.get("image_uri") for m in meta], pa.string()),
+        "input_image": pa.array(keep, pa.binary()),
+    }
+    return [{k: v for k, v in m.items() if k not in ("image", "image_sha256", "image_uri")} for m in meta], cols
+
+
+def _input_image_metadata(d: dict, metadata: list[dict]) -> list[dict]:
+    """``_input_image_columns`` undone: each row's ``image`` (when its bytes were kept), digest and URI."""
+    if "input_image_sha256" not in d:
+        return metadata
+    for m, digest, uri, data in zip(metadata, d["input_image_sha256"], d["input_image_uri"], d["input_image"]):
+        if digest is not None:
+            m["image_sha256"] = digest
+        if uri is not None:
+            m["image_uri"] = uri
+        if data is not None:
+            mime = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg"}.get(
+                data[:4] if data[:4] == b"\x89PNG" else data[:3], "application/octet-stream")
+            m["image"] = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    return metadata
 
 
 def _png(image: np.ndarray) -> bytes:
@@ -134,7 +172,7 @@ def trajectory_table(
         raise ValueError("trajectory_table needs a scored trajectory (rewards and advantages)")
     b, t = traj.batch_size, traj.num_steps
     sde_steps = [np.flatnonzero(row.numpy()).astype(np.int32) for row in traj.sde_mask]
-    meta = traj.metadata or [{}] * b
+    meta, input_cols = _input_image_columns(traj.metadata or [{}] * b, images)
     cols: dict[str, pa.Array] = {
         "schema_version": pa.array([SCHEMA_VERSION] * b, pa.int32()),
         "run_id": pa.array([run_id] * b, pa.string()),
@@ -156,6 +194,7 @@ def trajectory_table(
         "micro_batch_size": pa.array([traj.micro_batch_size] * b, pa.int32()),
         "metadata_json": pa.array([json.dumps(m, sort_keys=True, default=str) for m in meta], pa.string()),
     }
+    cols.update(input_cols)
     for name, values in sorted(traj.reward_components.items()):
         cols[f"reward_{name}"] = pa.array(values.numpy(), pa.float32())
     if images and traj.images is not None and traj.images.ndim == 5:  # videos: lossless PNG frames
@@ -249,7 +288,7 @@ def read_trajectory(path: str | Path) -> Trajectory:
         rewards=torch.tensor(d["reward"], dtype=torch.float32),
         reward_components=components,
         advantages=torch.tensor(d["advantage"], dtype=torch.float32),
-        metadata=[json.loads(m) for m in d["metadata_json"]],
+        metadata=_input_image_metadata(d, [json.loads(m) for m in d["metadata_json"]]),
     )
 
 

@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 SERVED_FAMILIES = {"sd3": ("stable-diffusion-3-medium-diffusers", 3), "flux": ("FLUX.1-dev", 2)}
 SD3_MODEL_ID = SERVED_FAMILIES["sd3"][0]
 # Families the engine does not serve, and why (docs/sglang.md): Wan (SGLang 0.5.23 has its pipeline, the CPU
-# kernel fails) and families not verified with SGLang here.
+# kernel fails), editing families (FLUX.1 Kontext: the requests carry no input image) and families not verified
+# with SGLang here.
 UNSERVED_FAMILIES = {
     "wan": "on CPU SGLang's Wan DiT calls torch.ops.sgl_kernel.fused_norm_scale_shift_cpu, which the installed "
            "sgl_kernel lacks: /rollout/generate answers HTTP 500 on the first forward",
@@ -49,6 +50,9 @@ UNSERVED_FAMILIES = {
              "SD3 and FLUX.1 only",
     "flux2-klein": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked "
                    "for SD3 and FLUX.1 only",
+    "flux-kontext": "an editing family: its input image enters the transformer as extra tokens beside the noisy "
+                    "latents, and the engine's rollout requests (protocol.py) carry prompts and seeds only, with no "
+                    "input image nor its latents to send",
 }
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 

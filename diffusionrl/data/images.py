@@ -1,0 +1,142 @@
+"""Input images of prompt rows (image editing): reading, checking and carrying them.
+
+A prompt row may carry an ``image`` field, the image an editing model (``builtin:tiny-flux-kontext``,
+FLUX.1 Kontext) edits as the prompt says:
+
+- a path, relative to the dataset file (or absolute): ``{"prompt": "make it red", "image": "imgs/a.png"}``;
+- a URI: ``hf://datasets/<owner>/<repo>/<path>[@revision]`` or an object-store one (``s3://``, ``gs://``, ...);
+- the encoded image's bytes (a Parquet ``binary`` column, a generator's rows).
+
+``load_prompts`` resolves every row's image once, before any model loads (``resolve_row_images``): it
+reads the bytes, checks they decode (a missing, unreadable or malformed image is a ``PromptDataError``
+naming the file and line, as other malformed rows are) and rewrites the row as
+``image`` = a ``data:`` URI of the original bytes (the row stays JSON, self-contained on any worker),
+``image_sha256`` = their digest, and ``image_uri`` = the reference it came from (absent for bytes).
+The rollout decodes ``image`` with ``decode_image`` (``row_images`` over a batch's metadata); the
+trajectory Parquet keeps the digest, the URI and the bytes (``trajectory/store.py``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+from pathlib import Path
+
+import numpy as np
+
+from .readers import PromptDataError, hf_download
+
+DATA_URI = "data:"
+
+
+def read_image_bytes(ref: str, base: str | Path | None, where: str) -> tuple[bytes, str]:
+    """The bytes an ``image`` reference names, and the reference resolved (a local path or URI).
+
+    ``base``: the folder (local path or URI) a relative path is relative to: the dataset file's."""
+    if "://" not in ref and base is not None and not Path(ref).expanduser().is_absolute():
+        base, revision = str(base), ""
+        if base.startswith("hf://") and "@" in base:  # the dataset file's revision holds its images too
+            base, revision = base.rsplit("@", 1)
+        ref = f"{base.rstrip('/')}/{ref}" if "://" in base else str(Path(base) / ref)
+        ref += f"@{revision}" if revision else ""
+    try:
+        if ref.startswith("hf://datasets/"):
+            return hf_download(ref).read_bytes(), ref
+        if "://" in ref:
+            import fsspec
+
+            with fsspec.open(ref, "rb") as fh:
+                return fh.read(), ref
+        path = Path(ref).expanduser()
+        return path.read_bytes(), str(path)
+    except PromptDataError as exc:
+        raise PromptDataError(f"{where}: image {ref!r}: {exc}") from exc
+    except (OSError, ValueError, ImportError) as exc:
+        why = "no such file" if isinstance(exc, FileNotFoundError) else f"{type(exc).__name__}: {exc}"
+        raise PromptDataError(f"{where}: cannot read the image {ref!r} ({why})") from exc
+
+
+def image_base(source: str, local: Path) -> str:
+    """What a relative ``image`` path in the dataset ``source`` (read from ``local``) is relative to: the
+    remote file's folder (``hf://`` keeps its ``@revision``), a local or downloaded folder, a file's folder."""
+    if "://" in source and not local.is_dir():
+        spec, _, revision = source.partition("@") if source.startswith("hf://") else (source, "", "")
+        return spec.rsplit("/", 1)[0] + (f"@{revision}" if revision else "")
+    return str(local if local.is_dir() else local.parent)
+
+
+def check_image(data: bytes, where: str) -> tuple[str, tuple[int, int]]:
+    """The MIME type and ``(width, height)`` of encoded image bytes; undecodable bytes fail naming ``where``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()  # decode it all: a truncated file fails here, not in a rollout
+            return Image.MIME.get(im.format, "image/png"), im.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise PromptDataError(f"{where}: the 'image' is not a readable image ({len(data)} bytes: {exc})") from exc
+
+
+def resolve_row_image(row: dict, where: str, base: str | Path | None = None) -> dict:
+    """``row`` with its ``image`` read and checked, as a ``data:`` URI plus ``image_sha256`` and, for a
+    path or URI, ``image_uri``; a row without ``image`` (or whose image is already resolved) as it is."""
+    value = row.get("image")
+    if value is None:
+        return row
+    if isinstance(value, str) and value.startswith(DATA_URI) and "image_sha256" in row:
+        return row  # resolved before (a cached prompt set)
+    out = {k: v for k, v in row.items() if k not in ("image_uri", "image_sha256")}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+    elif isinstance(value, str) and value.startswith(DATA_URI):
+        data = _from_data_uri(value, where)
+    elif isinstance(value, str) and value.strip():
+        data, out["image_uri"] = read_image_bytes(value.strip(), base, where)
+    else:
+        raise PromptDataError(f"{where}: 'image' must be a path, a URI or the image's bytes, got "
+                              f"{type(value).__name__} {str(value)[:40]!r}")
+    mime, _ = check_image(data, where)
+    out["image"] = f"{DATA_URI}{mime};base64,{base64.b64encode(data).decode()}"
+    out["image_sha256"] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def resolve_row_images(located: list[tuple[str, dict]], base: str | Path | None = None) -> list[tuple[str, dict]]:
+    """``resolve_row_image`` over ``(where, row)`` pairs."""
+    return [(where, resolve_row_image(row, where, base)) for where, row in located]
+
+
+def _from_data_uri(value: str, where: str = "image") -> bytes:
+    head, sep, payload = value.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise PromptDataError(f"{where}: an image data URI must be data:<mime>;base64,<bytes>, got {value[:40]!r}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except ValueError as exc:
+        raise PromptDataError(f"{where}: the image data URI is not valid base64 ({exc})") from exc
+
+
+def image_bytes(value: str | bytes) -> bytes:
+    """The encoded bytes of a resolved row's ``image`` (a ``data:`` URI) or of raw bytes."""
+    return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else _from_data_uri(value)
+
+
+def decode_image(value: str | bytes) -> np.ndarray:
+    """A resolved row's ``image`` as RGB uint8 ``[H, W, 3]``."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(image_bytes(value))) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+def row_images(metadata: list[dict] | None) -> list[np.ndarray] | None:
+    """The input images of a batch's rows (its ``metadata``), or None when no row carries one; a batch
+    mixing rows with and without an image fails (an edit and a generation cannot share a forward)."""
+    if not metadata or not any(m.get("image") is not None for m in metadata):
+        return None
+    missing = [i for i, m in enumerate(metadata) if m.get("image") is None]
+    if missing:
+        raise PromptDataError(f"{len(missing)} of {len(metadata)} rows in a batch carry no 'image' while the others "
+                              f"do (e.g. row {missing[0]}); give every row of an editing dataset an image")
+    return [decode_image(m["image"]) for m in metadata]

@@ -1,0 +1,108 @@
+"""Prompt rows that carry an input image (editing datasets): paths relative to the dataset file, URIs,
+bytes; a missing or malformed image names its file and line; rows stay JSON and trace to their image."""
+
+import hashlib
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from diffusionrl.config import DataConfig
+from diffusionrl.data import PromptDataError, load_prompts
+from diffusionrl.data.images import decode_image, image_bytes, row_images
+
+
+def png(color, size=(16, 12)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_images(folder):
+    (folder / "imgs").mkdir()
+    for i in range(4):
+        (folder / "imgs" / f"{i}.png").write_bytes(png((60 * i, 10, 200)))
+
+
+def test_relative_paths_resolve_against_the_dataset_file_and_rows_trace_to_their_image(tmp_path):
+    write_images(tmp_path)
+    rows = [{"prompt": f"make it {i}", "image": f"imgs/{i}.png", "category": "color"} for i in range(4)]
+    (tmp_path / "edits.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ps = load_prompts(DataConfig(source=str(tmp_path / "edits.jsonl"), test_fraction=0.25))
+    out = {r["prompt"]: r for r in ps.train + ps.test}
+    for i in range(4):
+        row = out[f"make it {i}"]
+        data = (tmp_path / "imgs" / f"{i}.png").read_bytes()
+        assert row["image"].startswith("data:image/png;base64,") and image_bytes(row["image"]) == data
+        assert row["image_sha256"] == hashlib.sha256(data).hexdigest()
+        assert row["image_uri"] == str(tmp_path / "imgs" / f"{i}.png") and row["category"] == "color"
+        assert decode_image(row["image"]).shape == (12, 16, 3)
+        assert tuple(decode_image(row["image"])[0, 0]) == (60 * i, 10, 200)
+    json.dumps(ps.train)  # rows stay JSON (prompt caches, digests, metadata_json)
+    again = load_prompts(DataConfig(source=str(tmp_path / "edits.jsonl"), test_fraction=0.25))
+    assert again.digest == ps.digest
+
+
+def test_a_missing_or_malformed_image_names_file_and_line(tmp_path):
+    write_images(tmp_path)
+    path = tmp_path / "edits.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "image": "imgs/0.png"}) + "\n"
+                    + json.dumps({"prompt": "b", "image": "imgs/nope.png"}) + "\n")
+    with pytest.raises(PromptDataError, match=r"edits.jsonl:2: cannot read the image .*nope.png.*no such file"):
+        load_prompts(DataConfig(source=str(path)))
+    (tmp_path / "imgs" / "bad.png").write_bytes(png((1, 2, 3))[:40])  # truncated
+    path.write_text(json.dumps({"prompt": "a", "image": "imgs/0.png"}) + "\n"
+                    + json.dumps({"prompt": "b", "image": "imgs/bad.png"}) + "\n")
+    with pytest.raises(PromptDataError, match=r"edits.jsonl:2: the 'image' is not a readable image"):
+        load_prompts(DataConfig(source=str(path)))
+    path.write_text(json.dumps({"prompt": "a", "image": 7}) + "\n")
+    with pytest.raises(PromptDataError, match=r"edits.jsonl:1: 'image' must be a path, a URI or the image's bytes"):
+        load_prompts(DataConfig(source=str(path)))
+
+
+def test_parquet_bytes_and_a_folder_layout_with_uris(tmp_path):
+    images = [png((i * 40, 0, 0)) for i in range(4)]
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(4)], "image": images}), tmp_path / "e.parquet")
+    ps = load_prompts(DataConfig(source=str(tmp_path / "e.parquet"), test_fraction=0.25))
+    for row in ps.train + ps.test:
+        i = int(row["prompt"][1:])
+        assert image_bytes(row["image"]) == images[i] and "image_uri" not in row
+    pq.write_table(pa.table({"prompt": ["p0", "p1"], "image": [images[0], b"not an image"]}), tmp_path / "e.parquet")
+    with pytest.raises(PromptDataError, match=r"e.parquet: row 2: the 'image' is not a readable image"):
+        load_prompts(DataConfig(source=str(tmp_path / "e.parquet")))
+    # a folder in the train/test layout; an absolute file:// URI works as well as a relative path
+    data = tmp_path / "set"
+    data.mkdir()
+    write_images(data)
+    (data / "train.jsonl").write_text("\n".join(json.dumps({"prompt": f"t{i}", "image": f"imgs/{i}.png"})
+                                                for i in range(3)) + "\n")
+    (data / "test.jsonl").write_text(json.dumps({"prompt": "h", "image": (data / "imgs" / "3.png").as_uri()}) + "\n")
+    ps = load_prompts(DataConfig(source=str(data)))
+    assert ps.test[0]["image_uri"] == (data / "imgs" / "3.png").as_uri()
+    assert image_bytes(ps.test[0]["image"]) == (data / "imgs" / "3.png").read_bytes()
+    assert [image_bytes(r["image"]) for r in ps.train] == [(data / "imgs" / f"{i}.png").read_bytes() for i in range(3)]
+
+
+def test_row_images_of_a_batch():
+    from diffusionrl.data.images import resolve_row_image
+
+    rows = [resolve_row_image({"prompt": "x", "image": png((9, 8, 7))}, "gen row 1")] * 2
+    images = row_images([{k: v for k, v in r.items() if k != "prompt"} for r in rows])
+    assert len(images) == 2 and images[0].dtype == np.uint8 and tuple(images[0][0, 0]) == (9, 8, 7)
+    assert row_images([{}, {"category": "x"}]) is None and row_images(None) is None
+    with pytest.raises(PromptDataError, match="1 of 2 rows in a batch carry no 'image'"):
+        row_images([rows[0], {}])
+
+
+def test_one_instruction_on_several_images_is_several_rows_and_a_repeat_is_a_duplicate(tmp_path):
+    write_images(tmp_path)
+    rows = [{"prompt": "make it green", "image": f"imgs/{i}.png"} for i in range(4)]
+    rows.append({"prompt": "make it green", "image": "imgs/0.png"})  # the same edit of the same image again
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ps = load_prompts(DataConfig(source=str(tmp_path / "e.jsonl"), test_fraction=0.3))
+    assert len(ps.train) + len(ps.test) == 4 and ps.stats["duplicate"] == 1
+    assert {r["image_uri"] for r in ps.train + ps.test} == {str(tmp_path / "imgs" / f"{i}.png") for i in range(4)}
