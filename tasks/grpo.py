@@ -19,7 +19,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
 
-from diffusionrl.config import Config, ConfigError, DataConfig, RewardConfig, apply_overrides
+from diffusionrl.config import Config, ConfigError, DataConfig, RewardConfig, apply_overrides, objective
 from diffusionrl.data import PromptSet, load_prompts
 from diffusionrl.tracking import TrackingRun
 from images import CPU_IMAGE, GPU_IMAGE
@@ -293,8 +293,8 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
         stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
         metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
                                            attempts=config.tracking.log_retries, flush_every_s=METRICS_FLUSH_S)
-        # algorithm.name=sft (a preset of its own) makes no rollouts: its trajectory folder stays empty
-        writers = [trajectories] if config.algorithm.name != "sft" else []
+        # an objective that trains on a dataset (sft) makes no rollouts: its trajectory folder stays empty
+        writers = [trajectories] if objective(config.algorithm.name).rewarded else []
         (folder.local / "trajectories").mkdir(parents=True, exist_ok=True)
         callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, *writers), metrics_cb]
         with retryable_faults():

@@ -58,19 +58,6 @@ class Config(ConfigTree):
 
     def __post_init__(self) -> None:
         self.check_numbers()
-        if self.algorithm.name == "flow_grpo" and self.sampling.sde_type == "ode":
-            raise ConfigError(
-                "algorithm.name=flow_grpo needs stochastic rollouts: set sampling.sde_type to sde, cps or dance "
-                "(ode has no log-probs to train on)"
-            )
-        if self.algorithm.name == "nft" and self.algorithm.nft_adv_clip > self.algorithm.adv_clip_max:
-            ac = self.algorithm
-            lo = 0.5 - ac.adv_clip_max / (2 * ac.nft_adv_clip)
-            raise ConfigError(
-                f"algorithm.nft_adv_clip={ac.nft_adv_clip} exceeds algorithm.adv_clip_max={ac.adv_clip_max}: "
-                f"advantages are already clamped to +-{ac.adv_clip_max}, so DiffusionNFT's r would never leave "
-                f"[{lo:g}, {1 - lo:g}]; set nft_adv_clip <= adv_clip_max (the reference uses 5 for both)"
-            )
         check_objective_fit(self)
         if self.train.mixed_precision != "no" and self.model.device == "cpu":
             raise ConfigError(

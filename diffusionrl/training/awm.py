@@ -29,7 +29,6 @@ class AWMObjective(RenoisedUnits):
 
     name = "awm"
     label = "AWM"
-    rollout_sde_type = "ode"  # solver-agnostic: only x0 is used
 
     def __init__(self, cfg, policy: LoraPolicy):
         self.cfg = cfg

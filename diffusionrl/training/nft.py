@@ -123,7 +123,6 @@ class NFTObjective(RenoisedUnits):
 
     name = "nft"
     label = "DiffusionNFT"
-    rollout_sde_type = "ode"  # NFT learns from deterministic samples of the old policy
 
     def __init__(self, cfg, policy: LoraPolicy):
         self.cfg = cfg
