@@ -16,25 +16,16 @@ FILE] [--set k=v ...]`` prints the full config as YAML (how ``configs/*.yaml`` a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
 from diffusionrl.errors import run_cli
 
+from . import sections as sec  # the sections, each named once below: Config's fields
 from .objectives import check_objective_fit
 from .presets import PRESETS, preset_changes
-from .sections import (
-    AlgorithmConfig,
-    DataConfig,
-    EvalConfig,
-    ModelConfig,
-    RewardConfig,
-    SamplingConfig,
-    TrackingConfig,
-    TrainConfig,
-)
 from .tree import (
     ConfigError,
     ConfigTree,
@@ -46,14 +37,14 @@ from .tree import (
 
 @dataclass
 class Config(ConfigTree):
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    model: sec.ModelConfig = field(default_factory=sec.ModelConfig)
+    sampling: sec.SamplingConfig = field(default_factory=sec.SamplingConfig)
+    algorithm: sec.AlgorithmConfig = field(default_factory=sec.AlgorithmConfig)
+    reward: sec.RewardConfig = field(default_factory=sec.RewardConfig)
+    train: sec.TrainConfig = field(default_factory=sec.TrainConfig)
+    eval: sec.EvalConfig = field(default_factory=sec.EvalConfig)
+    data: sec.DataConfig = field(default_factory=sec.DataConfig)
+    tracking: sec.TrackingConfig = field(default_factory=sec.TrackingConfig)
     preset: str = option("tiny-cpu", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
@@ -73,16 +64,7 @@ class Config(ConfigTree):
         return get_preset(name).to_dict()
 
 
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "sampling": SamplingConfig,
-    "algorithm": AlgorithmConfig,
-    "reward": RewardConfig,
-    "train": TrainConfig,
-    "eval": EvalConfig,
-    "data": DataConfig,
-    "tracking": TrackingConfig,
-}
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config) if f.default_factory is not MISSING}
 
 
 def get_preset(name: str) -> Config:
