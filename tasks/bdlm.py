@@ -21,18 +21,19 @@ from flytekit.types.file import FlyteFile
 
 from diffusionrl.bdlm.config import BDLMConfig, TaskConfig
 from diffusionrl.config import apply_overrides
+from diffusionrl.serving import Registration
 from diffusionrl.tracking import TrackingRun
 from images import CPU_IMAGE
 
 from .common import (
     DatasetDigests,
-    RegisteredVersion,
     close_failed_runs,
     config_change_allowed,
     execution_tags,
     open_run_folder,
     open_train_stage,
     publish_report,
+    record_registration,
     report_artifacts,
     require_shared_store,
     resolved_or_given,
@@ -183,7 +184,7 @@ def evaluate_bdlm(config: BDLMConfig, run: TrackingRun, warm_model: FlyteDirecto
 
 @task(**CPU_TASK, secret_requests=MLFLOW, requests=Resources(cpu="2", mem="4Gi"))
 def register_bdlm(config: BDLMConfig, run: TrackingRun, model: FlyteDirectory, test_digest: str,
-                  data_digest: str, eval_summary: dict[str, float]) -> RegisteredVersion:
+                  data_digest: str, eval_summary: dict[str, float]) -> Registration:
     """Log the policy as a pyfunc model that decodes prompts, register a version (``candidate``)
     and move ``champion`` only if it beats the current one on the same evaluation."""
     load_secrets(MLFLOW)
@@ -194,13 +195,13 @@ def register_bdlm(config: BDLMConfig, run: TrackingRun, model: FlyteDirectory, t
     lineage = tracking.lineage(run, dataset_digest=data_digest, test_dataset_digest=test_digest,
                                task=config.task.kind, algorithm=parent.get("algorithm", ""), preset=config.preset)
     reg = register_bdlm_model(run, config, model.download(), test_digest, eval_summary["eval/reward_mean"], lineage)
-    return RegisteredVersion.record(run, reg)
+    return record_registration(run, reg)
 
 
 @task(**CPU_TASK, secret_requests=MLFLOW, enable_deck=True, deck_fields=REPORT_DECKS)
 def report_bdlm(config: BDLMConfig, run: TrackingRun, metrics: pd.DataFrame, eval_table: pd.DataFrame,
                 eval_summary: dict[str, float], model: FlyteDirectory, traces: FlyteDirectory, run_dir: str,
-                registered: RegisteredVersion) -> FlyteFile:
+                registered: Registration) -> FlyteFile:
     """HTML report (Deck, a copy in the run folder, an artifact of the MLflow run, which it closes)."""
     load_secrets(MLFLOW)
     from diffusionrl.report import build_report

@@ -15,7 +15,6 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ from flytekit.types.file import FlyteFile
 from diffusionrl import tracking
 from diffusionrl.errors import UserError
 from diffusionrl.run import Callback
+from diffusionrl.serving import Registration
 from diffusionrl.tracking import TrackingRun
 
 log = logging.getLogger(__name__)
@@ -264,35 +264,14 @@ def retryable_faults():
 # -- register and report --------------------------------------------------------------------------------
 
 
-@dataclass
-class RegisteredVersion:
-    name: str
-    version: str
-    aliases: list[str]
-    promoted: bool
-    decision: str
-    score: float
-    champion_version: str
-    model_uri: str
-    version_url: str
-    run_url: str
-
-    @classmethod
-    def record(cls, run: TrackingRun, reg) -> RegisteredVersion:
-        """A ``serving.Registration`` as a task output, also tagged on the workflow run."""
-        tracking.set_tags(run, {"registered_model": reg.name, "registered_version": reg.version,
-                                "registry_decision": reg.decision})
-        return cls(reg.name, reg.version, reg.aliases, reg.promoted, reg.decision, reg.score, reg.champion_version,
-                   reg.model_uri, reg.version_url, reg.run_url)
-
-    def links(self) -> dict[str, str]:
-        """The report's lines about the registry and the MLflow run."""
-        return {"registered model": f"{self.name} v{self.version} ({', '.join(self.aliases)}): {self.decision} "
-                                    f"-> {self.version_url}",
-                "MLflow run": self.run_url}
+def record_registration(run: TrackingRun, reg: Registration) -> Registration:
+    """``reg`` (the ``register`` tasks' output), also tagged on the workflow run."""
+    tracking.set_tags(run, {"registered_model": reg.name, "registered_version": reg.version,
+                            "registry_decision": reg.decision})
+    return reg
 
 
-def report_artifacts(run: TrackingRun, registered: RegisteredVersion, run_dir: str, max_mb: float,
+def report_artifacts(run: TrackingRun, registered: Registration, run_dir: str, max_mb: float,
                      model, model_label: str, batches, batches_name: str, batches_label: str) -> dict[str, str]:
     """The report's artifact lines: the registry and run links, the trained model, the per-step
     Parquet folder (copied into the MLflow run when at most ``max_mb``, else linked) and the run folder."""

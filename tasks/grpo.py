@@ -19,20 +19,21 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
 
-from diffusionrl.config import Config, ConfigError, DataConfig, RewardConfig, apply_overrides
+from diffusionrl.config import Config, ConfigError, DataConfig, RewardConfig, apply_overrides, objective
 from diffusionrl.data import PromptSet, load_prompts
+from diffusionrl.serving import Registration
 from diffusionrl.tracking import TrackingRun
 from images import CPU_IMAGE, GPU_IMAGE
 
 from .common import (
     DatasetDigests,
-    RegisteredVersion,
     close_failed_runs,
     config_change_allowed,
     execution_tags,
     open_run_folder,
     open_train_stage,
     publish_report,
+    record_registration,
     report_artifacts,
     require_shared_store,
     resolved_or_given,
@@ -293,8 +294,8 @@ def train(config: Config, train_prompts: pd.DataFrame, test_prompts: pd.DataFram
         stage = open_train_stage(run, folder.uri, config.tracking.log_retries)
         metrics_cb = tracking.MetricLogger(run.uri, stage, images_every=config.train.log_images_every,
                                            attempts=config.tracking.log_retries, flush_every_s=METRICS_FLUSH_S)
-        # algorithm.name=sft (a preset of its own) makes no rollouts: its trajectory folder stays empty
-        writers = [trajectories] if config.algorithm.name != "sft" else []
+        # an objective that trains on a dataset (sft) makes no rollouts: its trajectory folder stays empty
+        writers = [trajectories] if objective(config.algorithm.name).rewarded else []
         (folder.local / "trajectories").mkdir(parents=True, exist_ok=True)
         callbacks = [*run_callbacks(folder, config.train.keep_checkpoints, *writers), metrics_cb]
         with retryable_faults():
@@ -342,7 +343,7 @@ def evaluate(config: Config, test_prompts: pd.DataFrame, model_dir: FlyteDirecto
       accelerator=ACCELERATOR, timeout=TIMEOUTS["register"], retries=2)
 def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: FlyteDirectory, model_digest: str,
              test_prompts: pd.DataFrame, test_digest: str, prompts_digest: str,
-             eval_summary: dict[str, float]) -> RegisteredVersion:
+             eval_summary: dict[str, float]) -> Registration:
     """Log the LoRA as an ``mlflow.diffusers`` model, register a version (alias ``candidate``) and
     move ``champion`` only if it beats the current one on the same evaluation."""
     load_secrets(HF_MLFLOW)
@@ -353,7 +354,7 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
     reg = serving.register_lora(run, config, lora.download(), model_dir.download(), model_digest,
                                  rows_from_frame(test_prompts), test_digest, eval_summary["eval/reward_mean"], lineage,
                                  summary=eval_summary)
-    return RegisteredVersion.record(run, reg)
+    return record_registration(run, reg)
 
 
 # -- report -------------------------------------------------------------------------------------------------
@@ -362,7 +363,7 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
 @task(**CPU_TASK, secret_requests=MLFLOW, enable_deck=True, deck_fields=REPORT_DECKS)
 def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval_summary: dict[str, float],
            grid: FlyteFile, lora: FlyteDirectory, trajectories: FlyteDirectory, run_dir: str,
-           prompts_digest: str, model_digest: str, run: TrackingRun, registered: RegisteredVersion) -> FlyteFile:
+           prompts_digest: str, model_digest: str, run: TrackingRun, registered: Registration) -> FlyteFile:
     """HTML report (also shown as the task's Flyte Deck and logged to the MLflow run, which it closes)."""
     load_secrets(MLFLOW)
     from diffusionrl import tracking

@@ -11,7 +11,7 @@ import torch
 
 from diffusionrl.config import ALGORITHMS, PRESETS, load_config
 from diffusionrl.train import build_loop, train
-from diffusionrl.training.objective import OBJECTIVES, objective_class
+from diffusionrl.training.objective import objective_class
 
 from .conftest import tiny_config
 
@@ -23,12 +23,27 @@ def preset_of(name: str) -> str:
 
 
 def test_every_algorithm_has_an_objective_a_preset_and_a_row_in_the_docs_table():
-    assert set(ALGORITHMS) == set(OBJECTIVES)
     table = DOCS.read_text().split("### 14.1", 1)[1].split("###", 1)[0]
     for name in ALGORITHMS:
         assert objective_class(name).name == name
         assert preset_of(name) in PRESETS and load_config(preset_of(name)).algorithm.name == name
         assert re.search(rf"^\| `{name}` ", table, re.M), f"docs/algorithms.md 14.1 has no row for {name}"
+
+
+def test_each_algorithm_key_is_declared_once_and_the_section_is_the_registered_options():
+    """``AlgorithmConfig`` is the shared keys plus every registered objective's options: a key declared
+    twice would be merged silently by the dataclass composition."""
+    from dataclasses import fields
+
+    from diffusionrl.config import AlgorithmConfig
+    from diffusionrl.config.objectives import OBJECTIVES, option_classes
+    from diffusionrl.config.sections import AlgorithmKeys
+
+    declared = [f.name for cls in (AlgorithmKeys, *option_classes()) for f in fields(cls)]
+    assert len(declared) == len(set(declared)), sorted(k for k in declared if declared.count(k) > 1)
+    assert [f.name for f in fields(AlgorithmConfig)] == declared
+    assert [o.name for o in OBJECTIVES] == list(ALGORITHMS)
+    assert all(o.rollouts in ("sde", "ode", "data") for o in OBJECTIVES)
 
 
 @pytest.fixture(scope="module")

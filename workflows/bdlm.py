@@ -25,6 +25,7 @@ from flytekit.types.file import FlyteFile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks`, `images` next to `workflows`
 
 from diffusionrl.bdlm import BDLMConfig, load_bdlm_config
+from diffusionrl.serving import Registration
 from tasks.bdlm import (
     evaluate_bdlm,
     on_bdlm_failure,
@@ -37,7 +38,6 @@ from tasks.bdlm import (
     train_bdlm,
     warm_start_stage,
 )
-from tasks.common import RegisteredVersion
 
 DEFAULT_BDLM_CONFIG = load_bdlm_config("tiny-bdlm")
 
@@ -50,7 +50,7 @@ class BDLMOutputs(NamedTuple):
     metrics: pd.DataFrame
     eval_table: pd.DataFrame
     eval_summary: dict[str, float]
-    registered: RegisteredVersion
+    registered: Registration
 
 
 @workflow(on_failure=on_bdlm_failure)  # marks the execution's open MLflow runs FAILED

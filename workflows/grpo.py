@@ -43,8 +43,8 @@ from flytekit.types.file import FlyteFile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks`, `images` next to `workflows`
 
 from diffusionrl.config import Config, get_preset
+from diffusionrl.serving import Registration
 from tasks.grpo import (
-    RegisteredVersion,
     evaluate,
     fetch_base_weights,
     fingerprint_prompts,
@@ -72,7 +72,7 @@ class GRPOOutputs(NamedTuple):
     metrics: pd.DataFrame
     eval_table: pd.DataFrame
     eval_summary: dict[str, float]
-    registered: RegisteredVersion
+    registered: Registration
 
 
 @workflow(on_failure=on_grpo_failure)  # marks the execution's open MLflow runs FAILED

@@ -5,7 +5,8 @@
   (``__main__``), which prints the full config as YAML (how ``configs/*.yaml`` are made);
 - ``sections``: the sections (``model``, ``sampling``, ``algorithm``, ``reward``, ``train``, ``eval``,
   ``data``, ``tracking``), every default with its help text and its one-section checks;
-- ``objectives``: the objective-specific ``algorithm.*`` keys and ``check_objective_fit``;
+- ``objectives``: one block per objective (its own ``algorithm.*`` keys, flags and checks, its record
+  in ``OBJECTIVES``) and ``check_objective_fit``;
 - ``presets``: the named presets as change sets over the defaults (data only, no schema);
 - ``tree``: the schema-free machinery ``Config`` and ``bdlm.BDLMConfig`` share (``option`` fields,
   checks, the dict round trip, YAML/JSON files, dotted overrides, ``ConfigError``).
@@ -14,7 +15,7 @@ The schema (``root``, ``sections``) builds on ``tree``, ``objectives`` and ``pre
 reverse. Everything other modules import is re-exported here.
 """
 
-from .objectives import ALGORITHMS, resolved_kl_space
+from .objectives import ALGORITHMS, RANKED, objective, resolved_kl_space
 from .presets import PRESETS, SD3_LORA_TARGETS
 from .root import Config, describe, dump_preset, get_preset, load_config, main
 from .sections import (
@@ -39,8 +40,8 @@ from .tree import (
 )
 
 __all__ = [
-    "ALGORITHMS", "PRESETS", "SD3_LORA_TARGETS", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree",
+    "ALGORITHMS", "PRESETS", "RANKED", "SD3_LORA_TARGETS", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree",
     "DataConfig", "EvalConfig", "ModelConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
     "apply_overrides", "check_choice", "check_positive", "describe", "dump_preset", "get_preset", "load_config",
-    "lookup_preset", "main", "option", "read_config_file", "resolved_kl_space",
+    "lookup_preset", "main", "objective", "option", "read_config_file", "resolved_kl_space",
 ]

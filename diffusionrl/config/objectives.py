@@ -1,35 +1,123 @@
-"""The objective-specific keys of the ``algorithm`` section and the checks that tie them to the rest.
+"""Every objective's configuration facts, one block each: its own ``algorithm.*`` keys, its flags,
+its checks and its registration.
 
-``ObjectiveOptions`` is a base class of ``diffusionrl.config.AlgorithmConfig``: its fields are
-``algorithm.*`` keys like the others (same YAML, overrides, digest and help), kept in this module so
-that the schema file stays small. The maths of each objective is in ``docs/algorithms.md``
-(section 14 has the table of objectives, their knobs and their tests). This module imports no schema.
+A block is an options dataclass (the keys only this objective reads, their defaults, help texts and
+value checks in an optional ``check``, which runs whatever ``algorithm.name`` is) and an ``Objective``
+record: the name, what it is (the model card's line), the options, its flags and ``fit``, the checks
+that tie it to the sampling and train sections when it is the one named. The flags:
+
+- ``rollouts``: ``sde`` = recomputes the per-step log-probs of SDE rollouts (``kl_space`` auto = x,
+  ``same_latent`` allowed, ``ode`` refused), ``ode`` = re-noises the clean latents of ODE samples,
+  ``data`` = trains on a dataset of (prompt, image) pairs, no rewards;
+- ``old_policy``: keeps an fp32 copy of the old policy's LoRA (the planner counts it);
+- ``one_process``: the config refuses ``train.world_size > 1``;
+- ``ranks``: runs with ``train.world_size > 1`` (``distributed/worker.py`` drives its class on every
+  rank); ``distributed/ranks.py`` refuses the others at launch.
+
+``OBJECTIVES`` lists the records: that line registers an objective. ``diffusionrl.config.AlgorithmConfig``
+is composed from them: the keys several objectives share, then each registered objective's options
+in this order (``option_classes``). The class the trainer drives is the one in
+``diffusionrl/training/<name>.py`` whose ``name`` is the objective's (``training.objective``), its maths
+``diffusionrl/algorithms/<name>.py``, its row ``docs/algorithms.md`` 14.1. This module imports no
+schema and no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .tree import ConfigError, check_choice, check_positive, option
 
-# algorithm.name -> objective (training/objective.py OBJECTIVES holds the classes)
-ALGORITHMS = ("flow_grpo", "nft", "grpo_guard", "dppo", "awm", "dpo", "sft")
-# Objectives that recompute the per-step log-probs of SDE rollouts (the others re-noise ODE samples).
-SDE_OBJECTIVES = ("flow_grpo", "grpo_guard", "dppo")
 # Rollout dynamics with an exact Gaussian log-density (GRPO-Guard's ratio normalisation needs one).
 EXACT_SDE_TYPES = ("sde", "dance")
 
 
+@dataclass(frozen=True)
+class Objective:
+    """The configuration facts of one objective (see the module docstring)."""
+
+    name: str
+    title: str
+    options: type | None = None
+    rollouts: str = "sde"  # sde | ode | data
+    old_policy: bool = False
+    one_process: bool = False
+    ranks: bool = False
+    fit: Callable[[object], None] | None = None
+
+    @property
+    def sde(self) -> bool:
+        """It recomputes the step log-probs of stochastic rollouts (it has step Gaussians)."""
+        return self.rollouts == "sde"
+
+    @property
+    def rewarded(self) -> bool:
+        """It learns from scored rollouts (group advantages), not from a dataset."""
+        return self.rollouts != "data"
+
+
+# -- flow_grpo: Flow-GRPO (section 5) ----------------------------------------------------------------
+FLOW_GRPO = Objective("flow_grpo", "Flow-GRPO (Liu et al. 2025)", ranks=True)
+
+
+# -- nft: DiffusionNFT (section 7) -------------------------------------------------------------------
 @dataclass
-class ObjectiveOptions:
-    kl_space: str = option(
-        "auto", "Space of the KL to the reference (weight kl_beta): x = the step Gaussians' term of section 5 "
-        "(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for flow_grpo/grpo_guard/dppo, v otherwise"
-    )
+class NFTOptions:
+    nft_beta: float = option(1.0, "DiffusionNFT guidance strength b of the implicit positive/negative policies")
+    nft_adv_clip: float = option(5.0, "DiffusionNFT advantage clip c in r = clamp(A, -c, c) / (2c) + 0.5")
+    old_policy_rate: float = option(0.001, "DiffusionNFT old-policy EMA ramp: eta = min(rate * max(step - flat, 0), "
+                                    "cap)")
+    old_policy_flat: int = option(0, "DiffusionNFT steps before the old-policy eta ramp starts")
+    old_policy_cap: float = option(0.5, "DiffusionNFT maximum old-policy eta")
+
+    def check(self) -> None:
+        check_positive("algorithm", "nft_beta", self.nft_beta)
+        check_positive("algorithm", "nft_adv_clip", self.nft_adv_clip)
+        if not 0 <= self.old_policy_cap < 1:
+            raise ConfigError(f"algorithm.old_policy_cap={self.old_policy_cap} must be in [0, 1)")
+        check_positive("algorithm", "old_policy_rate", self.old_policy_rate, allow_zero=True)
+        check_positive("algorithm", "old_policy_flat", self.old_policy_flat, allow_zero=True)
+
+
+def _nft_fit(cfg) -> None:
+    ac = cfg.algorithm
+    if ac.nft_adv_clip > ac.adv_clip_max:
+        lo = 0.5 - ac.adv_clip_max / (2 * ac.nft_adv_clip)
+        raise ConfigError(
+            f"algorithm.nft_adv_clip={ac.nft_adv_clip} exceeds algorithm.adv_clip_max={ac.adv_clip_max}: "
+            f"advantages are already clamped to +-{ac.adv_clip_max}, so DiffusionNFT's r would never leave "
+            f"[{lo:g}, {1 - lo:g}]; set nft_adv_clip <= adv_clip_max (the reference uses 5 for both)"
+        )
+
+
+NFT = Objective("nft", "DiffusionNFT (Zheng et al. 2025)", NFTOptions, rollouts="ode", old_policy=True, fit=_nft_fit)
+
+
+# -- grpo_guard: GRPO-Guard (section 14.2) -------------------------------------------------------------
+@dataclass
+class GuardOptions:
     guard_ratio_norm: bool = option(
         True, "GRPO-Guard RatioNorm: ratio = exp(step_std * (log_ratio + |mean - mean_old|^2 / (2 step_std^2)))"
     )
     guard_reweight: bool = option(True, "GRPO-Guard gradient reweighting: each step's policy loss divided by |dt|")
+
+
+def _guard_fit(cfg) -> None:
+    if cfg.sampling.sde_type not in EXACT_SDE_TYPES:
+        raise ConfigError(
+            f"algorithm.name=grpo_guard needs rollouts with an exact Gaussian log-prob (sampling.sde_type "
+            f"{' or '.join(EXACT_SDE_TYPES)}): its ratio normalisation adds back |mean - mean_old|^2 / (2 "
+            f"step_std^2), which {cfg.sampling.sde_type} does not have in its log-prob"
+        )
+
+
+GRPO_GUARD = Objective("grpo_guard", "GRPO-Guard (Wang et al. 2025)", GuardOptions, old_policy=True, fit=_guard_fit)
+
+
+# -- dppo: Flow-DPPO (section 14.3) --------------------------------------------------------------------
+@dataclass
+class DPPOOptions:
     dppo_kl_threshold: float = option(
         1e-6, "Flow-DPPO trust region: a pair whose KL(current || old) > this and whose ratio moved in the "
         "direction of its advantage is masked out of the gradient"
@@ -38,6 +126,32 @@ class ObjectiveOptions:
         "x", "Flow-DPPO trust-region divergence: x = exact KL of the step Gaussians (mean over elements) | "
         "v = mean |v - v_old|^2"
     )
+
+    def check(self) -> None:
+        check_choice("algorithm", "dppo_kl_space", self.dppo_kl_space, ("x", "v"))
+        check_positive("algorithm", "dppo_kl_threshold", self.dppo_kl_threshold, allow_zero=True)
+
+
+DPPO = Objective("dppo", "Flow-DPPO (Ping et al. 2026)", DPPOOptions, old_policy=True)
+
+
+# -- awm: Advantage Weighted Matching (section 14.4) ---------------------------------------------------
+def _awm_fit(cfg) -> None:
+    tc = cfg.train
+    if tc.minibatches != 1 or tc.inner_epochs != 1:
+        raise ConfigError(
+            f"algorithm.name=awm with train.minibatches={tc.minibatches}, train.inner_epochs={tc.inner_epochs}: AWM "
+            "has no ratio or clip: every update after the first would be off-policy; set train.minibatches=1 and "
+            "train.inner_epochs=1"
+        )
+
+
+AWM = Objective("awm", "Advantage Weighted Matching (Xue et al. 2025)", rollouts="ode", fit=_awm_fit)
+
+
+# -- dpo: online Diffusion-DPO (section 14.5) ----------------------------------------------------------
+@dataclass
+class DPOOptions:
     dpo_beta: float = option(
         5000.0, "Online Diffusion-DPO temperature beta on the per-element-mean error (Diffusion-DPO's SD1.5 value, "
         "with a full fine-tune at lr ~2e-5); the margin moves by ~beta/2 * lr per Adam step, so keep beta * "
@@ -47,93 +161,93 @@ class ObjectiveOptions:
         "best_worst", "Online Diffusion-DPO pairs per prompt group: best_worst (highest vs lowest reward) | all "
         "(every positive-advantage sample vs every negative-advantage one)"
     )
+
+    def check(self) -> None:
+        check_choice("algorithm", "dpo_pairs", self.dpo_pairs, ("best_worst", "all"))
+        check_positive("algorithm", "dpo_beta", self.dpo_beta)
+
+
+def _dpo_fit(cfg) -> None:
+    if cfg.train.group_size < 2:
+        raise ConfigError(
+            f"algorithm.name=dpo pairs samples of the same prompt: train.group_size={cfg.train.group_size} forms no "
+            "pair, so no step would update the weights; use train.group_size >= 2"
+        )
+
+
+DPO = Objective("dpo", "online Diffusion-DPO (after Wallace et al. 2024)", DPOOptions, rollouts="ode", fit=_dpo_fit)
+
+
+# -- sft: supervised flow matching on (prompt, image) pairs (section 14.7) ---------------------------------
+@dataclass
+class SFTOptions:
     sft_source: str = option(
         "", "SFT (prompt, image) pairs: a folder of images with prompts.jsonl/metadata.jsonl, a .parquet with "
         "prompt and image-bytes columns, or builtin:shapes[:N] (diffusionrl/data/image_pairs.py)"
     )
-    init_lora: str = option("", "peft LoRA folder the policy starts from (e.g. an SFT run's lora/); '' = fresh init")
-    group_renoise: bool = option(
-        False, "DiffusionNFT / AWM: re-noise the samples of a prompt group at the same noise levels with the same "
-        "noise (common random numbers): the part of each sample's gradient that does not depend on its clean "
-        "latent cancels between the group's positive and negative samples (docs/algorithms.md section 7)"
-    )
 
-    def check_objective_options(self) -> None:
-        check_choice("algorithm", "kl_space", self.kl_space, ("auto", "x", "v"))
-        check_choice("algorithm", "dppo_kl_space", self.dppo_kl_space, ("x", "v"))
-        check_choice("algorithm", "dpo_pairs", self.dpo_pairs, ("best_worst", "all"))
-        check_positive("algorithm", "dppo_kl_threshold", self.dppo_kl_threshold, allow_zero=True)
-        check_positive("algorithm", "dpo_beta", self.dpo_beta)
-        name = getattr(self, "name", "")
-        if name == "sft" and not self.sft_source.strip():
+    def check(self) -> None:
+        if getattr(self, "name", "") == "sft" and not self.sft_source.strip():
             raise ConfigError("algorithm.name=sft needs algorithm.sft_source (a folder, a .parquet or builtin:shapes)")
-        if self.kl_space == "x" and name not in SDE_OBJECTIVES:
-            raise ConfigError(
-                f"algorithm.kl_space=x needs the step Gaussians of SDE rollouts; {name} re-noises clean samples "
-                "and has no step Gaussian: use kl_space=v (or auto)"
-            )
+
+
+SFT = Objective("sft", "supervised flow matching (SFT warm start)", SFTOptions, rollouts="data", one_process=True)
+
+
+# -- the registry ------------------------------------------------------------------------------------
+OBJECTIVES = (FLOW_GRPO, NFT, GRPO_GUARD, DPPO, AWM, DPO, SFT)
+ALGORITHMS = tuple(o.name for o in OBJECTIVES)  # the values of algorithm.name
+SDE_OBJECTIVES = tuple(o.name for o in OBJECTIVES if o.sde)
+RANKED = tuple(o.name for o in OBJECTIVES if o.ranks)  # those train.world_size > 1 runs
+_BY_NAME = {o.name: o for o in OBJECTIVES}
+
+
+def objective(name: str) -> Objective:
+    """The record of ``algorithm.name`` ``name`` (a ``ConfigError`` naming the known ones if none)."""
+    if name not in _BY_NAME:
+        check_choice("algorithm", "name", name, ALGORITHMS)
+    return _BY_NAME[name]
+
+
+def option_classes() -> tuple[type, ...]:
+    """The registered objectives' options dataclasses, in registration order."""
+    return tuple(o.options for o in OBJECTIVES if o.options is not None)
 
 
 def resolved_kl_space(algorithm) -> str:
     """``algorithm.kl_space`` with ``auto`` resolved for ``algorithm.name``."""
     if algorithm.kl_space != "auto":
         return algorithm.kl_space
-    return "x" if algorithm.name in SDE_OBJECTIVES else "v"
+    return "x" if objective(algorithm.name).sde else "v"
 
 
 def check_objective_fit(cfg) -> None:
-    """Checks that tie an objective to the sampling and train sections (called by ``Config.__post_init__``)."""
-    name, sc = cfg.algorithm.name, cfg.sampling
-    tc = cfg.train
-    # Every objective but SFT learns from group advantages (algorithms.advantages; with group_size 1
-    # the batch is z-scored instead, docs/algorithms.md section 4): a batch of one sample has none,
-    # and DPO pairs samples of one prompt group, of which group_size 1 has no pair.
-    if name == "dpo" and tc.group_size < 2:
-        raise ConfigError(
-            f"algorithm.name=dpo pairs samples of the same prompt: train.group_size={tc.group_size} forms no "
-            "pair, so no step would update the weights; use train.group_size >= 2"
-        )
-    if name != "sft" and tc.prompts_per_step * tc.group_size < 2:
+    """Checks that tie the named objective to the sampling and train sections (``Config.__post_init__``)."""
+    spec, sc, tc = objective(cfg.algorithm.name), cfg.sampling, cfg.train
+    name = spec.name
+    if spec.fit is not None:
+        spec.fit(cfg)
+    # Every rewarded objective learns from group advantages (algorithms.advantages; with group_size 1
+    # the batch is z-scored instead, docs/algorithms.md section 4): a batch of one sample has none.
+    if spec.rewarded and tc.prompts_per_step * tc.group_size < 2:
         raise ConfigError(
             f"algorithm.name={name} learns from advantages relative to other samples: a step of "
             f"train.prompts_per_step * group_size = 1 sample has none (its advantage is 0), so no step would "
             "update the weights; use train.group_size >= 2"
         )
-    if name == "awm" and (tc.minibatches != 1 or tc.inner_epochs != 1):
-        raise ConfigError(
-            f"algorithm.name=awm with train.minibatches={tc.minibatches}, train.inner_epochs={tc.inner_epochs}: AWM "
-            "has no ratio or clip: every update after the first would be off-policy; set train.minibatches=1 and "
-            "train.inner_epochs=1"
-        )
-    if name == "grpo_guard" and sc.sde_type not in EXACT_SDE_TYPES:
-        raise ConfigError(
-            f"algorithm.name=grpo_guard needs rollouts with an exact Gaussian log-prob (sampling.sde_type "
-            f"{' or '.join(EXACT_SDE_TYPES)}): its ratio normalisation adds back |mean - mean_old|^2 / (2 "
-            f"step_std^2), which {sc.sde_type} does not have in its log-prob"
-        )
-    if name in SDE_OBJECTIVES and sc.sde_type == "ode":
+    if spec.sde and sc.sde_type == "ode":
         raise ConfigError(
             f"algorithm.name={name} needs stochastic rollouts: set sampling.sde_type to sde, dance or cps "
             "(ode has no log-probs to train on)"
         )
-    if cfg.train.world_size > 1 and (cfg.algorithm.init_lora or name == "sft"):
+    if tc.world_size > 1 and (cfg.algorithm.init_lora or spec.one_process):
         raise ConfigError("algorithm.init_lora and algorithm.name=sft run in one process: set train.world_size=1")
-    if sc.same_latent and name not in SDE_OBJECTIVES:
+    if sc.same_latent and not spec.sde:
         raise ConfigError(
             f"sampling.same_latent with algorithm.name={name}: its rollouts are ODE, so a group sharing its initial "
             "latent would be one image repeated (no reward spread); same_latent is for " + ", ".join(SDE_OBJECTIVES)
         )
-    if sc.same_latent and sc.engine == "sglang":
-        raise ConfigError("sampling.same_latent is not available with sampling.engine=sglang (the server draws each "
-                          "output's initial latent from its own seed); use sampling.engine=local")
-    if sc.engine == "sglang" and sc.step_strategy == "mix_window":
-        raise ConfigError("sampling.step_strategy=mix_window is not available with sampling.engine=sglang (MixGRPO's "
-                          "sliding window is not verified against SGLang's diffusion runtime); use "
-                          "sampling.engine=local")
-    if sc.engine == "sglang" and sc.ode_solver != "euler":
-        raise ConfigError(f"sampling.ode_solver={sc.ode_solver} is not available with sampling.engine=sglang (its "
-                          "server takes Euler ODE steps only); use sampling.engine=local")
-    if name in SDE_OBJECTIVES and sc.engine == "sglang" and sc.sde_type == "dance":
+    if spec.sde and sc.engine == "sglang" and sc.sde_type == "dance":
         raise ConfigError(
             "sampling.sde_type=dance is not available with sampling.engine=sglang (the server samples sde or cps); "
             "use sampling.engine=local"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .objectives import ALGORITHMS, ObjectiveOptions
+from .objectives import ALGORITHMS, SDE_OBJECTIVES, objective, option_classes
 from .presets import SD3_LORA_TARGETS
 from .tree import (
     ConfigError,
@@ -143,34 +143,62 @@ class SamplingConfig:
                     f"sampling.candidate_steps has {len(set(self.candidate_steps))} distinct steps, fewer "
                     f"than num_sde_steps={self.num_sde_steps}"
                 )
+        if self.engine == "sglang":
+            self._check_sglang()
+
+    def _check_sglang(self) -> None:
+        if self.same_latent:
+            raise ConfigError("sampling.same_latent is not available with sampling.engine=sglang (the server draws "
+                              "each output's initial latent from its own seed); use sampling.engine=local")
+        if self.step_strategy == "mix_window":
+            raise ConfigError("sampling.step_strategy=mix_window is not available with sampling.engine=sglang "
+                              "(MixGRPO's sliding window is not verified against SGLang's diffusion runtime); use "
+                              "sampling.engine=local")
+        if self.ode_solver != "euler":
+            raise ConfigError(f"sampling.ode_solver={self.ode_solver} is not available with sampling.engine=sglang "
+                              "(its server takes Euler ODE steps only); use sampling.engine=local")
 
 
 @dataclass
-class AlgorithmConfig(ObjectiveOptions):  # the objective-specific keys: diffusionrl/config/objectives.py
-    name: str = option("flow_grpo", "Policy update: flow_grpo | nft | grpo_guard | dppo | awm | dpo | sft")
+class AlgorithmKeys:
+    """The ``algorithm.*`` keys several objectives read; each objective's own are in its block of
+    ``diffusionrl/config/objectives.py``."""
+
+    name: str = option("flow_grpo", "Policy update: " + " | ".join(ALGORITHMS))
     clip_range: float = option(1e-4, "PPO ratio clip epsilon (log-probs are per-element means, hence tiny)")
     kl_beta: float = option(0.04, "Weight of the KL term against the LoRA-disabled reference (0 skips it)")
     adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
     global_std: bool = option(True, "Normalise advantages by the batch std instead of the group std")
-    nft_beta: float = option(1.0, "DiffusionNFT guidance strength b of the implicit positive/negative policies")
-    nft_adv_clip: float = option(5.0, "DiffusionNFT advantage clip c in r = clamp(A, -c, c) / (2c) + 0.5")
-    old_policy_rate: float = option(0.001, "DiffusionNFT old-policy EMA ramp: eta = min(rate * max(step - flat, 0), "
-                                    "cap)")
-    old_policy_flat: int = option(0, "DiffusionNFT steps before the old-policy eta ramp starts")
-    old_policy_cap: float = option(0.5, "DiffusionNFT maximum old-policy eta")
+    kl_space: str = option(
+        "auto", "Space of the KL to the reference (weight kl_beta): x = the step Gaussians' term of section 5 "
+        f"(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for {'/'.join(SDE_OBJECTIVES)}, v otherwise"
+    )
+    init_lora: str = option("", "peft LoRA folder the policy starts from (e.g. an SFT run's lora/); '' = fresh init")
+    group_renoise: bool = option(
+        False, "DiffusionNFT / AWM: re-noise the samples of a prompt group at the same noise levels with the same "
+        "noise (common random numbers): the part of each sample's gradient that does not depend on its clean "
+        "latent cancels between the group's positive and negative samples (docs/algorithms.md section 7)"
+    )
+
+
+@dataclass
+class AlgorithmConfig(*reversed(option_classes()), AlgorithmKeys):  # fields: AlgorithmKeys', then each option class'
+    """The ``algorithm`` section: the shared keys, then every registered objective's own keys."""
 
     def __post_init__(self) -> None:
         check_choice("algorithm", "name", self.name, ALGORITHMS)
-        self.check_objective_options()
+        check_choice("algorithm", "kl_space", self.kl_space, ("auto", "x", "v"))
+        for options in option_classes():
+            if hasattr(options, "check"):
+                options.check(self)
+        if self.kl_space == "x" and not objective(self.name).sde:
+            raise ConfigError(
+                f"algorithm.kl_space=x needs the step Gaussians of SDE rollouts; {self.name} re-noises clean samples "
+                "and has no step Gaussian: use kl_space=v (or auto)"
+            )
         check_positive("algorithm", "clip_range", self.clip_range)
         check_positive("algorithm", "kl_beta", self.kl_beta, allow_zero=True)
         check_positive("algorithm", "adv_clip_max", self.adv_clip_max)
-        check_positive("algorithm", "nft_beta", self.nft_beta)
-        check_positive("algorithm", "nft_adv_clip", self.nft_adv_clip)
-        if not 0 <= self.old_policy_cap < 1:
-            raise ConfigError(f"algorithm.old_policy_cap={self.old_policy_cap} must be in [0, 1)")
-        check_positive("algorithm", "old_policy_rate", self.old_policy_rate, allow_zero=True)
-        check_positive("algorithm", "old_policy_flat", self.old_policy_flat, allow_zero=True)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from diffusionrl import raycluster
+from diffusionrl.config import RANKED, objective
 from diffusionrl.run import CheckpointState
 
 from .group import node_address_and_port
@@ -41,9 +42,9 @@ class RankGroup:
 
         from diffusionrl.rewards.pool import ensure_ray
 
-        if cfg.algorithm.name != "flow_grpo":
+        if not objective(cfg.algorithm.name).ranks:
             raise ValueError(
-                f"train.world_size={cfg.train.world_size} supports algorithm.name=flow_grpo today, not "
+                f"train.world_size={cfg.train.world_size} supports algorithm.name={'/'.join(RANKED)} today, not "
                 f"{cfg.algorithm.name!r}; train {cfg.algorithm.name} with world_size=1"
             )
         from diffusionrl.training.preflight import check_inputs

@@ -6,7 +6,7 @@ recomputed with it, so the answer is the planner's own arithmetic, not a rule of
 
 from __future__ import annotations
 
-from diffusionrl.config import Config, ConfigError, apply_overrides
+from diffusionrl.config import Config, ConfigError, apply_overrides, objective
 
 from .model import GIB, PCIE, Plan, plan
 
@@ -83,7 +83,7 @@ def advise(cfg, gpu: str, gpu_memory: float | None = None, base: Plan | None = N
             micro_batch_found |= is_mb
             lines.append(f"{knob}: peak {new.peak / GIB:.1f} GiB; cost: {cost(base, new, knob, cfg)}")
     for n in WORLD_SIZES:
-        if n <= cfg.train.world_size or cfg.algorithm.name != "flow_grpo":  # ranks.py: flow_grpo only
+        if n <= cfg.train.world_size or not objective(cfg.algorithm.name).ranks:  # ranks.py refuses the others
             continue
         new_cfg = scaled(cfg, n)
         if new_cfg is None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from diffusionrl.config import RANKED, objective
+
 from .archs import tokens
 from .facts import flops, lora_params, model_facts, reward_params
 from .measure import CACHE, cache_key, load_cache, measure_saved, predict_saved, stub_adapter
@@ -42,7 +44,6 @@ GPUS = {
     "L40S-48G": (46068 * 2**20, 362e12, 181e12),
 }
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-OLD_COPIES = {"nft": 1, "grpo_guard": 1, "dppo": 1}  # fp32 LoRA copies (and no-grad forwards) of the old policy
 
 
 @dataclass
@@ -110,7 +111,7 @@ def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict,
 def units_per_micro_batch(cfg) -> int:
     """Forward/backward units one micro-batch gives per inner epoch (the step's trained timesteps)."""
     s, name = cfg.sampling, cfg.algorithm.name
-    if name in ("flow_grpo", "grpo_guard", "dppo"):
+    if objective(name).sde:
         if s.step_strategy == "all":
             return min(int(s.num_steps * 0.99), s.num_steps - 1)
         groups = max(1, math.ceil(cfg.train.micro_batch_size / cfg.train.group_size))
@@ -153,7 +154,8 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
         common["base weights (gathered: root unit + 2 blocks)"] = facts["fsdp_root"] * amp_b + gathered
     common["LoRA (fp32)"] = lora / W
     common["reference (LoRA disabled: no copy)"] = 0.0
-    copies = int(tc.ema) + OLD_COPIES.get(ac.name, 0)
+    old = int(objective(ac.name).old_policy)  # an fp32 LoRA copy (and no-grad forwards) of the old policy
+    copies = int(tc.ema) + old
     common["EMA / old-policy LoRA copies"] = copies * lora / W
     common["text encoders + VAE"] = sum(facts["others"].values()) * wb
     if holds_engine and s.engine == "local":
@@ -197,7 +199,7 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     per_sample = f["forward"] * (2 if cfg_pass else 1)
     batch = tc.prompts_per_step * tc.group_size
     units = batch // (W * mb) * units_per_micro_batch(cfg) * tc.inner_epochs
-    extra = (1 if ac.kl_beta > 0 else 0) + OLD_COPIES.get(ac.name, 0) + (1 if ckpt else 0)
+    extra = (1 if ac.kl_beta > 0 else 0) + old + (1 if ckpt else 0)
     unit_flops = mb * (per_sample * (1 + extra) + f["backward"] * (2 if cfg_pass else 1))
     step_s = units * unit_flops / flops_peak
     if tc.offload_optimizer:
@@ -208,7 +210,7 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     if family == "qwen-image":
         notes.append("Qwen-Image's text is as long as the batch's longest prompt: model.max_sequence_length is planned")
     refused = ""
-    if W > 1 and ac.name != "flow_grpo":  # distributed/ranks.py
-        refused = f"world_size > 1 runs algorithm.name=flow_grpo only, not {ac.name}"
+    if W > 1 and not objective(ac.name).ranks:  # distributed/ranks.py
+        refused = f"world_size > 1 runs algorithm.name={'/'.join(RANKED)} only, not {ac.name}"
         notes.append(f"refused at launch: {refused}")
     return Plan(W, mem, train, rollout, step_s, rollout_s, unit_flops / flops_peak, notes, refused)

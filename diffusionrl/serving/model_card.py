@@ -21,18 +21,16 @@ import json
 import re
 from pathlib import Path
 
+from diffusionrl.config import ALGORITHMS, objective
+
 PEFT, DIFFUSERS = "peft", "diffusers"
-OBJECTIVES = {  # algorithm.name -> what it is (docs/algorithms.md section 14)
-    "flow_grpo": "Flow-GRPO (Liu et al. 2025)",
-    "nft": "DiffusionNFT (Zheng et al. 2025)",
-    "grpo_guard": "GRPO-Guard (Wang et al. 2025)",
-    "dppo": "Flow-DPPO (Ping et al. 2026)",
-    "awm": "Advantage Weighted Matching (Xue et al. 2025)",
-    "dpo": "online Diffusion-DPO (after Wallace et al. 2024)",
-    "sft": "supervised flow matching (SFT warm start)",
-}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PLACEHOLDER = "path/to/this/folder"
+
+
+def _what(algorithm: str, unknown: str) -> str:
+    """What objective ``algorithm`` is (``config.objectives``), or ``unknown`` for a name it does not know."""
+    return objective(algorithm).title if algorithm in ALGORITHMS else unknown
 
 
 def is_hub_id(reference: str) -> bool:
@@ -126,7 +124,7 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
               "tags:", *(f"- {json.dumps(t)}" for t in tags), "---", ""]
     revision = info.get("base_model_revision") or ""
     what = [
-        f"# LoRA for {base}, trained with {OBJECTIVES.get(algorithm, algorithm)}", "",
+        f"# LoRA for {base}, trained with {_what(algorithm, algorithm)}", "",
         f"A LoRA adapter for the transformer of `{base}`, written by diffusionrl "
         f"({'peft format' if layout == PEFT else 'diffusers format, with the peft copy under peft/'}).", "",
         "## What it is", "",
@@ -137,7 +135,7 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
     if family or info.get("pipeline_class"):
         what.append(f"- Family: {family or '?'} (`{info.get('pipeline_class') or '?'}`)")
     what += [
-        f"- Objective: `{algorithm}`, {OBJECTIVES.get(algorithm, 'see docs/algorithms.md')}",
+        f"- Objective: `{algorithm}`, {_what(algorithm, 'see docs/algorithms.md')}",
         f"- Reward weights: {_reward_text(info)}",
         f"- Training steps: {info.get('step', '?')}",
         f"- Config digest: `{info.get('config_digest', 'not recorded')}` (the run folder's `config.json`)",
@@ -189,7 +187,7 @@ def adapter_facts(cfg, family: str, pipeline_class: str) -> dict:
     """What a saved adapter's ``diffusionrl.json`` adds for its card: the family, its pipeline class,
     the reward weights (an RL run's) and the registry name."""
     facts = {"family": family, "pipeline_class": pipeline_class, "registered_model": cfg.tracking.registered_model}
-    if cfg.algorithm.name != "sft":
+    if objective(cfg.algorithm.name).rewarded:
         facts["reward"] = dict(sorted(cfg.reward.weights.items()))
     return facts
 

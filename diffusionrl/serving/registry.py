@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Registration:
+    """A registered version and the champion decision; also the workflows' ``register`` task output
+    (a plain dataclass for flytekit: no NaN default, which its JSON schema of the type cannot hold)."""
+
     name: str
     version: str
     aliases: list[str]
@@ -45,8 +48,8 @@ class Registration:
     decision: str
     score: float
     champion_version: str  # after the decision
+    previous_champion_score: float  # NaN when there was no champion to compare with
     previous_champion: str = ""
-    previous_champion_score: float = float("nan")
     model_uri: str = ""
     run_url: str = ""
     version_url: str = ""
@@ -54,6 +57,12 @@ class Registration:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def links(self) -> dict[str, str]:
+        """The report's lines about the registry and the MLflow run."""
+        return {"registered model": f"{self.name} v{self.version} ({', '.join(self.aliases)}): {self.decision} "
+                                    f"-> {self.version_url}",
+                "MLflow run": self.run_url}
 
 
 # -- registration and the champion decision ---------------------------------------------------------------

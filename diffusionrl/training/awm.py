@@ -11,17 +11,12 @@ keep the rollout's composition. No old policy: every update is on the policy tha
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from diffusionrl.algorithms.awm import awm_terms
 from diffusionrl.trajectory import Trajectory
 
 from .nft import RenoisedUnits, TimestepPlan
-from .policy import LoraPolicy
-from .trainer import Trainer, UpdateStats, minibatch_schedule
-
-_ORDER_STREAM = 0x41574D  # "AWM": the micro-batch order of a step
 
 
 class AWMObjective(RenoisedUnits):
@@ -29,13 +24,7 @@ class AWMObjective(RenoisedUnits):
 
     name = "awm"
     label = "AWM"
-    rollout_sde_type = "ode"  # solver-agnostic: only x0 is used
-
-    def __init__(self, cfg, policy: LoraPolicy):
-        self.cfg = cfg
-        self.policy = policy
-        self.adapter = policy.adapter
-        self.num_train_timesteps = float(self.adapter.scheduler.config.num_train_timesteps)
+    order_stream = 0x41574D  # "AWM": the micro-batch order of a step
 
     def _make(self, traj: Trajectory, sl: slice, slot: int, mask: torch.Tensor, plan: TimestepPlan):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -61,17 +50,3 @@ class AWMObjective(RenoisedUnits):
             return (terms.loss * m).sum(), stats
 
         return compute
-
-    def train_step(self, trainer: Trainer, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
-        """Inner epochs x minibatches optimizer steps; each inner epoch draws fresh timesteps and noises."""
-        tc = self.cfg.train
-        rng = np.random.default_rng([_ORDER_STREAM, tc.seed, step])
-        stats = UpdateStats()
-        plan = None
-        for epoch, selected in minibatch_schedule(traj, tc, rng):
-            if plan is None or plan.epoch != epoch:
-                plan = self.plan(traj, step, epoch)
-            trainer.apply(self.units(traj, selected, active, plan), stats)
-        metrics = stats.means()
-        metrics["train/lr"] = trainer.lr()
-        return metrics

@@ -19,6 +19,7 @@ import torch
 
 from diffusionrl.algorithms.advantages import group_advantages
 from diffusionrl.algorithms.sde import sde_step_mask
+from diffusionrl.config import objective
 from diffusionrl.data import PromptSampler, PromptSet
 from diffusionrl.evaluation import eval_spec
 from diffusionrl.heldout import HeldOutProbe
@@ -27,8 +28,6 @@ from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.run import CheckpointState
 from diffusionrl.trajectory import Trajectory
 from diffusionrl.video import grid, save_picture
-
-from .objective import objective_class
 
 
 class PolicyWorker(Protocol):
@@ -67,8 +66,8 @@ class ImageBackend:
         self.scorer = scorer
         self.sampler = PromptSampler(prompts.train, cfg.train.prompts_per_step, cfg.train.seed)
         self.probe = HeldOutProbe(cfg, prompts.test, scorer, eval_spec(cfg))
-        rollout_sde = getattr(objective_class(cfg.algorithm.name), "rollout_sde_type", None)
-        self.rollout_sde_type = rollout_sde or cfg.sampling.sde_type
+        # An SDE objective samples with the configured dynamics; the others re-noise clean ODE samples.
+        self.rollout_sde_type = cfg.sampling.sde_type if objective(cfg.algorithm.name).sde else "ode"
         self.spec = SamplingSpec.from_config(cfg, sde_type=self.rollout_sde_type, same_latent=cfg.sampling.same_latent)
         self.version = 0
         self.cursor = 0

@@ -34,7 +34,6 @@ class DPOObjective:
     """Bradley-Terry preference loss on pairs of one rollout's prompt groups, against the base model."""
 
     name = "dpo"
-    rollout_sde_type = "ode"
 
     def __init__(self, cfg, policy: LoraPolicy):
         self.cfg = cfg

@@ -83,12 +83,21 @@ class TimestepPlan:
 
 
 class RenoisedUnits:
-    """Work units of objectives that re-noise each sample's clean rollout latent ``x0`` at the slots
-    of a ``TimestepPlan`` (DiffusionNFT, AWM): one unit per (micro-batch, slot), counted by the
-    micro-batch's active samples; micro-batches without one are skipped. A subclass sets ``label``
-    and ``cfg``/``adapter`` and builds a unit's loss in ``_make(traj, sl, slot, mask, plan)``."""
+    """Work units and RL step of objectives that re-noise each sample's clean rollout latent ``x0`` at
+    the slots of a ``TimestepPlan`` (DiffusionNFT, AWM): one unit per (micro-batch, slot), counted by
+    the micro-batch's active samples; micro-batches without one are skipped. A subclass sets
+    ``label`` and ``order_stream`` (the first word of its micro-batch order's seed), builds a unit's
+    loss in ``_make(traj, sl, slot, mask, plan)`` and may add metrics after a step in ``after_step``."""
 
     label = "this objective"
+    order_stream = _ORDER_STREAM
+
+    def __init__(self, cfg, policy: LoraPolicy):
+        self.cfg = cfg
+        self.policy = policy
+        self.adapter = policy.adapter
+        # The timestep the transformer sees at noise level t (SD3: t * 1000).
+        self.num_train_timesteps = float(self.adapter.scheduler.config.num_train_timesteps)
 
     def plan(self, traj: Trajectory, step: int, epoch: int) -> TimestepPlan:
         """Each sample's draws keyed by its index, or by its prompt group (``algorithm.group_renoise``)."""
@@ -117,20 +126,38 @@ class RenoisedUnits:
         eps = plan.noise(range(sl.start, sl.stop), slot).to(device)  # [m, C, H, W]
         return x0, eps, t, noisy_latents(x0, eps, t)
 
+    def train_step(self, trainer: Trainer, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
+        """Inner epochs x minibatches optimizer steps on one rollout, then ``after_step``.
+
+        Each inner epoch draws fresh timesteps and noises; the micro-batch order is shuffled
+        (composition kept).
+        """
+        tc = self.cfg.train
+        rng = np.random.default_rng([self.order_stream, tc.seed, step])
+        stats = UpdateStats()
+        plan = None
+        for epoch, selected in minibatch_schedule(traj, tc, rng):
+            if plan is None or plan.epoch != epoch:
+                plan = self.plan(traj, step, epoch)
+            trainer.apply(self.units(traj, selected, active, plan), stats)
+        metrics = stats.means()
+        metrics["train/lr"] = trainer.lr()
+        metrics.update(self.after_step(step))
+        return metrics
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """What happens after step ``step``'s updates (its metrics); nothing by default."""
+        return {}
+
 
 class NFTObjective(RenoisedUnits):
     """DiffusionNFT: likelihood-free policy improvement against an EMA old policy."""
 
     name = "nft"
     label = "DiffusionNFT"
-    rollout_sde_type = "ode"  # NFT learns from deterministic samples of the old policy
 
     def __init__(self, cfg, policy: LoraPolicy):
-        self.cfg = cfg
-        self.policy = policy
-        self.adapter = policy.adapter
-        # The timestep the transformer sees at noise level t (SD3: t * 1000).
-        self.num_train_timesteps = float(self.adapter.scheduler.config.num_train_timesteps)
+        super().__init__(cfg, policy)
         self.old = EMA(policy.lora_state(), decay=0.0)  # theta_old starts equal to theta
 
     # -- the old policy ----------------------------------------------------------------------------
@@ -214,23 +241,7 @@ class NFTObjective(RenoisedUnits):
 
         return compute
 
-    # -- one RL step -------------------------------------------------------------------------------
-    def train_step(self, trainer: Trainer, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
-        """Inner epochs x minibatches optimizer steps on one rollout, then the old-policy update.
-
-        Each inner epoch draws fresh timesteps and noises; the micro-batch order is shuffled
-        (composition kept).
-        """
-        tc = self.cfg.train
-        rng = np.random.default_rng([_ORDER_STREAM, tc.seed, step])
-        stats = UpdateStats()
-        plan = None
-        for epoch, selected in minibatch_schedule(traj, tc, rng):
-            if plan is None or plan.epoch != epoch:
-                plan = self.plan(traj, step, epoch)
-            trainer.apply(self.units(traj, selected, active, plan), stats)
-        eta = self.update_old_policy(step + 1)
-        metrics = stats.means()
-        metrics["train/lr"] = trainer.lr()
-        metrics["train/old_policy_eta"] = eta
-        return metrics
+    # -- after one RL step (train_step: RenoisedUnits) ---------------------------------------------
+    def after_step(self, step: int) -> dict[str, float]:
+        """The old-policy update after step ``step``'s optimizer steps."""
+        return {"train/old_policy_eta": self.update_old_policy(step + 1)}

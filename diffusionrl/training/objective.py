@@ -3,32 +3,30 @@
 An objective turns a scored rollout batch into work units for ``Trainer`` and has
 ``train_step(trainer, traj, active, step) -> metrics``; optional hooks: ``rollout_state()`` (the
 LoRA the engine samples with, when it is not the live policy), ``state_tensors()`` /
-``load_state_tensors()`` (its own checkpointed tensors) and ``rollout_sde_type`` (the dynamics its
-rollouts need, when not the configured ones). A new objective is one module in ``training/`` plus
-one line here (docs/architecture.md, "Where things go").
+``load_state_tensors()`` (its own checkpointed tensors). Its rollouts' dynamics follow its record's
+``rollouts`` flag (``config.objectives``: SDE objectives sample with ``sampling.sde_type``, the others
+ODE). The class of objective ``name`` is the one in
+``diffusionrl/training/<name>.py`` whose ``name`` attribute is ``name``; the module is imported on
+first use, so that one objective's imports cost the others nothing. The names are those registered
+in ``diffusionrl/config/objectives.py`` (docs/architecture.md, "Where things go").
 """
 
 from __future__ import annotations
 
 import importlib
 
-# name -> "module:Class", imported on first use so that one objective's imports cost the others nothing
-OBJECTIVES = {
-    "flow_grpo": "diffusionrl.training.flow_grpo:FlowGRPOObjective",
-    "nft": "diffusionrl.training.nft:NFTObjective",
-    "grpo_guard": "diffusionrl.training.grpo_guard:GRPOGuardObjective",
-    "dppo": "diffusionrl.training.dppo:DPPOObjective",
-    "awm": "diffusionrl.training.awm:AWMObjective",
-    "dpo": "diffusionrl.training.dpo:DPOObjective",
-    "sft": "diffusionrl.training.sft:SFTObjective",  # driven by training.sft.SFTBackend, not ImageBackend
-}
+from diffusionrl.config import ALGORITHMS
 
 
 def objective_class(name: str):
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(OBJECTIVES)}")
-    module, cls = OBJECTIVES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}")
+    module = importlib.import_module(f"diffusionrl.training.{name}")
+    found = [c for c in vars(module).values()
+             if isinstance(c, type) and c.__module__ == module.__name__ and getattr(c, "name", None) == name]
+    if len(found) != 1:
+        raise TypeError(f"{module.__name__} defines {len(found)} classes with name = {name!r}; it must define one")
+    return found[0]
 
 
 def build_objective(cfg, policy):

@@ -56,7 +56,6 @@ class SFTObjective:
     """The flow-matching loss on encoded (prompt, image) pairs."""
 
     name = "sft"
-    rollout_sde_type = "ode"  # never samples; declared like the other re-noising objectives
 
     def __init__(self, cfg, policy: LoraPolicy):
         self.cfg = cfg
