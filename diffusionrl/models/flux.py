@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from diffusionrl.trajectory import Conditioning
-
 from .base import FlowAdapter
 from .packed import PackedLatents, pack, unpack
 from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline
@@ -46,13 +44,11 @@ class FluxAdapter(PackedLatents, FlowAdapter):
     builtin = TINY_FLUX_REF
     components = ("transformer", "vae", "text_encoder", "text_encoder_2")
     pipeline_logger = "diffusers.pipelines.flux.pipeline_flux"
+    cfg_mode = "embedded"  # guidance-distilled: the scale is an input of the transformer, no CFG pass
 
     @staticmethod
     def build_tiny():
         return build_tiny_flux_pipeline()
-
-    def needs_negative(self, guidance_scale: float) -> bool:
-        return False  # guidance-distilled: the scale is an input of the transformer
 
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
         embeds, pooled, _ = self.pipe.encode_prompt(
@@ -66,33 +62,20 @@ class FluxAdapter(PackedLatents, FlowAdapter):
             (self.pipe.tokenizer_2, max_sequence_length, f"T5 model.max_sequence_length={max_sequence_length}")
         ]
 
-    def velocity(
-        self,
-        transformer: torch.nn.Module,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """One forward on the packed latents with the guidance embedding; float32 ``[B, C, H, W]``."""
-        b, _, h, w = latents.shape
-        dtype = self.forward_dtype(transformer)
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
-        t = t.expand(b) if t.numel() == 1 else t
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(b)
-        embeds = cond.prompt_embeds.to(self.device, dtype)
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dtype)
-        with self.autocast():
-            out = transformer(
-                hidden_states=pack(latents.to(self.device, dtype)),
-                timestep=t / 1000,
-                guidance=guidance,
-                pooled_projections=cond.pooled_embeds.to(self.device, dtype),
-                encoder_hidden_states=embeds,
-                txt_ids=txt_ids,
-                img_ids=image_ids(h, w, self.device, dtype),
-                return_dict=False,
-            )[0]
-        return unpack(out.float(), h, w)
+    def _forward(self, transformer, x, t, side, guidance_scale, dtype) -> torch.Tensor:
+        """One forward on the packed latents with the guidance embedding (``guidance_input``)."""
+        embeds = side.embeds.to(self.device, dtype)
+        h, w = x.shape[-2:]
+        return transformer(
+            hidden_states=pack(x),
+            timestep=t / 1000,
+            guidance=self.guidance_input(x.shape[0], guidance_scale),
+            pooled_projections=side.pooled.to(self.device, dtype),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dtype),
+            img_ids=image_ids(h, w, self.device, dtype),
+            return_dict=False,
+        )[0]
+
+    def _unpack(self, v: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return unpack(v, *latents.shape[-2:])

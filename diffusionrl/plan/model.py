@@ -73,12 +73,12 @@ class Plan:
         return self.peak <= self.gpu_memory
 
 
-def forward_batches(family: str, micro_batch: int, cfg_pass: bool) -> list[int]:
-    """The batches of the transformer forwards of one velocity: SD3 concatenates its CFG pass into
-    one forward of 2m; Qwen-Image and Wan run two forwards of m; FLUX has no CFG pass."""
+def forward_batches(cfg_mode: str, micro_batch: int, cfg_pass: bool) -> list[int]:
+    """The batches of the transformer forwards of one velocity, from the adapter's ``cfg_mode``: a
+    batched CFG pass is one forward of 2m (SD3, Z-Image), a separate one two of m (Qwen-Image, Wan)."""
     if not cfg_pass:
         return [micro_batch]
-    return [2 * micro_batch] if family == "sd3" else [micro_batch, micro_batch]
+    return [2 * micro_batch] if cfg_mode == "batched" else [micro_batch, micro_batch]
 
 
 def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict, str]:
@@ -135,8 +135,9 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     amp_b = wb if tc.mixed_precision == "no" else 2
     n_img, n_txt = tokens(family, config, s.resolution, s.num_frames, m.max_sequence_length, facts["vae_scale"],
                           facts["temporal_scale"])
-    cfg_pass = stub_adapter(family, None, "no").needs_negative(s.guidance_scale)
-    batches = forward_batches(family, mb, cfg_pass)
+    stub = stub_adapter(family, None, "no")
+    cfg_pass = stub.needs_negative(s.guidance_scale)
+    batches = forward_batches(stub.cfg_mode, mb, cfg_pass)
     side = s.resolution // facts["vae_scale"]
     frames = (s.num_frames - 1) // facts["temporal_scale"] + 1 if family == "wan" else 1
     lora = lora_params(facts, list(m.lora_targets), m.lora_rank) * 4
