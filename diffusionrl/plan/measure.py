@@ -140,6 +140,9 @@ def saved_by_block(model: torch.nn.Module, blocks: list[torch.nn.Module], run) -
     inputs: list[dict[int, int]] = [{} for _ in blocks]  # may then hold another tensor
 
     alive: dict[int, object] = {}  # key -> StorageWeakRef of the storage now at that address
+    # Block inputs are keyed by address too: they are kept alive until the end of the run, so no freed
+    # input's address is reused by a later block's input and counted as one tensor received twice.
+    kept: list[torch.Tensor] = []
 
     def release(key: int, ref) -> None:
         if alive.get(key) is not ref:  # a late finaliser (garbage collection) of an earlier storage
@@ -171,6 +174,7 @@ def saved_by_block(model: torch.nn.Module, blocks: list[torch.nn.Module], run) -
                 for t in (v if isinstance(v, tuple | list) else (v,)):
                     if isinstance(t, torch.Tensor):
                         inputs[i][_key(t)] = t.untyped_storage().nbytes()
+                        kept.append(t)
         return hook
 
     def post(*_):
