@@ -32,6 +32,7 @@ import torch
 
 from diffusionrl.trajectory import Conditioning
 
+from .lora import LoraTargets
 from .textside import TextSide
 from .truncation import truncation_warnings_dropped
 
@@ -92,7 +93,7 @@ def module_digest(modules: dict[str, torch.nn.Module]) -> str:
     return h.hexdigest()
 
 
-class FlowAdapter:
+class FlowAdapter(LoraTargets):
     """A diffusers flow-matching text-to-image pipeline behind the interface the library uses."""
 
     family = ""  # short name (logs, bench/families.py)
@@ -140,32 +141,6 @@ class FlowAdapter:
             mods = {n: getattr(self.pipe, n) for n in self.components if getattr(self.pipe, n, None) is not None}
             self._digest = module_digest(mods)
         return self._digest
-
-    def dead_lora_targets(self) -> set[str]:
-        """Linear layers whose output cannot change the prediction (exact-zero gradient): left out."""
-        return set()
-
-    def lora_targets(self, suffixes: list[str], experts: str = "both") -> list[str]:
-        """Full module names of the transformer's linear layers that end with one of ``suffixes``
-        (of one expert only where ``experts`` names it: ``expert_targets``)."""
-        dead = self.dead_lora_targets()
-        names = [
-            name
-            for name, module in self.transformer.named_modules()
-            if isinstance(module, torch.nn.Linear) and any(name.endswith(s) for s in suffixes) and name not in dead
-        ]
-        if experts != "both":
-            names = self.expert_targets(names, experts)
-        if not names:
-            raise ValueError(f"no transformer module matches the LoRA targets {suffixes}")
-        return names
-
-    def expert_targets(self, names: list[str], experts: str) -> list[str]:
-        """The LoRA target ``names`` of expert ``experts`` (a family with several experts: Wan2.2)."""
-        from diffusionrl.config import ConfigError
-
-        raise ConfigError(f"model.lora_experts={experts}: {self.family} has one transformer, not two experts "
-                          "(Wan2.2); set model.lora_experts=both")
 
     @property
     def vae_scale_factor(self) -> int:

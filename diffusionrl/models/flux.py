@@ -45,6 +45,11 @@ class FluxAdapter(PackedLatents, FlowAdapter):
     components = ("transformer", "vae", "text_encoder", "text_encoder_2")
     pipeline_logger = "diffusers.pipelines.flux.pipeline_flux"
     cfg_mode = "embedded"  # guidance-distilled: the scale is an input of the transformer, no CFG pass
+    # flow_grpo's scripts/train_flux.py: both streams' attention projections and feed-forwards of the
+    # double-stream blocks (the single-stream blocks' attn.to_q/k/v match by suffix too).
+    default_lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
+                            "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
+                            "ff_context.net.0.proj", "ff_context.net.2")
 
     @staticmethod
     def build_tiny():

@@ -40,6 +40,12 @@ class Flux2Adapter(FlowAdapter):
     components = ("transformer", "vae", "text_encoder")
     pipeline_logger = "diffusers.pipelines.flux2.pipeline_flux2"
     cfg_mode = "embedded"  # guidance-distilled: the scale is an input of the transformer, no CFG pass
+    # Both streams' attention projections and SwiGLU feed-forwards in the double-stream blocks, the fused
+    # QKV+MLP input and the output projection of the single-stream blocks (FLUX.2 [klein] too).
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                            "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff.linear_in",
+                            "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+                            "attn.to_qkv_mlp_proj", "attn.to_out")
 
     @staticmethod
     def build_tiny():

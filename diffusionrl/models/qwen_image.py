@@ -35,6 +35,10 @@ class QwenImageAdapter(PackedLatents, FlowAdapter):
     pipeline_logger = "diffusers.pipelines.qwenimage.pipeline_qwenimage"
     cfg_mode = "separate"  # true CFG: the positive and negative texts differ in length
     cfg_norm_rescale = True
+    # Both streams' attention projections and MLPs (``dead_lora_targets`` drops the last block's text outputs).
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                            "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj",
+                            "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 
     @staticmethod
     def build_tiny():

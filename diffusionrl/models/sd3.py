@@ -23,6 +23,9 @@ class SD3Adapter(FlowAdapter):
     builtin = TINY_REF
     components = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     pipeline_logger = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3"
+    # The attention projections (both streams) the SD3.5 reference recipes adapt.
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                            "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
     @staticmethod
     def build_tiny():

@@ -79,6 +79,9 @@ class WanAdapter(FlowAdapter):
     pipeline_logger = "diffusers.pipelines.wan.pipeline_wan"
     video = True
     cfg_mode = "separate"  # as WanPipeline: a second forward on the negative text
+    # flow_grpo's scripts/train_wan2_1.py: the attention projections (as suffixes they match the
+    # self-attention attn1 and the cross-attention attn2 of every block; its add_* names are I2V-only).
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     experts: WanExperts | None = None  # Wan2.2's pair (set in __init__); None: one transformer
 
     def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):

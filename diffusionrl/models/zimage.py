@@ -53,6 +53,9 @@ class ZImageAdapter(FlowAdapter):
     components = ("transformer", "vae", "text_encoder")
     pipeline_logger = "diffusers.pipelines.z_image.pipeline_z_image"
     cfg_negative_first = False  # one forward of 2B, positive first, as ZImagePipeline
+    # Every block's (noise refiner, context refiner, joint) attention projections and SwiGLU feed-forward.
+    default_lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
     @staticmethod
     def build_tiny():

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .archs import tokens
 from .facts import flops, lora_params, model_facts, reward_params
-from .measure import CACHE, cache_key, load_cache, measure_saved, predict_saved, stub_adapter
+from .measure import CACHE, cache_key, load_cache, lora_suffixes, measure_saved, predict_saved, stub_adapter
 
 GIB = 2**30
 FRAGMENTATION = 0.10  # of the tensor bytes: the caching allocator's blocks that a peak cannot reuse
@@ -84,12 +84,12 @@ def forward_batches(cfg_mode: str, micro_batch: int, cfg_pass: bool) -> list[int
 def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict, str]:
     """The measured fit of ``cfg``'s model and precision (cached; measured now for a builtin)."""
     m = cfg.model
+    targets = lora_suffixes(family, m.lora_targets)
     key = cache_key(m.name, m.dtype, cfg.train.mixed_precision)
     if key in cache["saved"]:
         entry, note = cache["saved"][key], ""
     elif m.name.startswith("builtin:"):
-        entry, note = measure_saved(family, config, m.dtype, cfg.train.mixed_precision, m.lora_rank,
-                                    list(m.lora_targets)), ""
+        entry, note = measure_saved(family, config, m.dtype, cfg.train.mixed_precision, m.lora_rank, targets), ""
     else:
         same = [k for k in cache["saved"] if k.startswith(m.name + "|")]
         if not same:
@@ -100,7 +100,7 @@ def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict,
         note = f"activations scaled from the {same[0].split('|', 1)[1]} measurement by element size"
         ratio = BYTES[m.dtype] / BYTES[entry["weights_dtype"]]
         entry = dict(entry, coef={k: [c * ratio for c in v] for k, v in entry["coef"].items()})
-    if (entry["lora_rank"], entry["lora_targets"]) != (m.lora_rank, list(m.lora_targets)):
+    if (entry["lora_rank"], entry["lora_targets"]) != (m.lora_rank, targets):
         note = (note + "; " if note else "") + (
             f"activations measured with LoRA rank {entry['lora_rank']} on {len(entry['lora_targets'])} target "
             "suffixes, not this config's (each adapted layer saves rank x tokens more or less)")
@@ -140,7 +140,7 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     batches = forward_batches(stub.cfg_mode, mb, cfg_pass)
     side = s.resolution // facts["vae_scale"]
     frames = (s.num_frames - 1) // facts["temporal_scale"] + 1 if family == "wan" else 1
-    lora = lora_params(facts, list(m.lora_targets), m.lora_rank) * 4
+    lora = lora_params(facts, lora_suffixes(family, m.lora_targets), m.lora_rank) * 4
     holds_engine = W == 1 or (tc.placement == "colocate" and rank < tc.rollout_engines)
     weights = (facts["params"] + facts["buffers"]) * wb
 
