@@ -47,7 +47,7 @@ def test_saved_bytes_of_the_training_forward(preset):
     texts = [cond.prompt_embeds.shape[1]] + ([cond.negative_prompt_embeds.shape[1]] if neg else [])
     from diffusionrl.plan.model import forward_batches
 
-    batches = forward_batches(adapter.family, mb, neg)
+    batches = forward_batches(adapter.cfg_mode, mb, neg)
     texts = texts[:len(batches)]
     predicted = sum(M.predict_saved(entry, facts["config"], b, n_img, t, again=i > 0)["total"]
                     for i, (b, t) in enumerate(zip(batches, texts)))

@@ -16,7 +16,7 @@ reverse. Everything other modules import is re-exported here.
 """
 
 from .objectives import ALGORITHMS, RANKED, objective, resolved_kl_space
-from .presets import PRESETS, SD3_LORA_TARGETS
+from .presets import PRESETS
 from .root import Config, describe, dump_preset, get_preset, load_config, main
 from .sections import (
     AlgorithmConfig,
@@ -40,7 +40,7 @@ from .tree import (
 )
 
 __all__ = [
-    "ALGORITHMS", "PRESETS", "RANKED", "SD3_LORA_TARGETS", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree",
+    "ALGORITHMS", "PRESETS", "RANKED", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree",
     "DataConfig", "EvalConfig", "ModelConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
     "apply_overrides", "check_choice", "check_positive", "describe", "dump_preset", "get_preset", "load_config",
     "lookup_preset", "main", "objective", "option", "read_config_file", "resolved_kl_space",

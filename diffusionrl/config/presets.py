@@ -16,35 +16,10 @@ from typing import Any
 from .presets_ext import GPU_EXT_PRESETS, TINY_CPU_WAN22, TINY_EXT_PRESETS, WAN22_T2V_A14B_OCR
 from .tree import lookup_preset
 
-# The attention projections the SD3.5 reference recipes adapt: the schema's default
-# ``model.lora_targets`` (diffusionrl.config) and the base of the tiny presets' list.
-SD3_LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-]
-
-# FLUX.1's LoRA targets in flow_grpo's scripts/train_flux.py: both streams' attention projections and
-# feed-forwards of the double-stream blocks (the single-stream blocks' attn.to_q/k/v match by suffix too).
-FLUX_LORA_TARGETS = [
-    "attn.to_k",
-    "attn.to_q",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_k_proj",
-    "attn.add_q_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "ff.net.0.proj",
-    "ff.net.2",
-    "ff_context.net.0.proj",
-    "ff_context.net.2",
-]
+# ``model.lora_targets``: empty (the schema's default) is the family's own list, which sits on its adapter
+# class (``default_lora_targets`` in diffusionrl/models/<family>.py). A preset that adapts more layers
+# spells its whole list: the family's default (as a literal: this package sits below diffusionrl.models;
+# tests/test_config_files.py checks it against the adapter's) and what it adds.
 
 # The embedded default: Flow-GRPO on builtin:tiny-sd3 at 64 px, JPEG compressibility.
 # Chosen so that the reward visibly rises within minutes on a 2-core CPU (bench/learning.py):
@@ -53,7 +28,9 @@ FLUX_LORA_TARGETS = [
 # output projections, and a learning rate suited to a 0.3 M-parameter random transformer.
 # With the reference recipe's attention-only adapter at 3e-4 the reward does not move.
 TINY_CPU: dict[str, Any] = {
-    "model": {"lora_targets": SD3_LORA_TARGETS + ["proj_out", "ff.net.0.proj", "ff.net.2"]},
+    "model": {"lora_targets": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                               "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",  # SD3's default
+                               "proj_out", "ff.net.0.proj", "ff.net.2"]},
     "sampling": {"step_strategy": "sde_window", "num_sde_steps": 2, "window_range": [0, 5]},
     "train": {"prompts_per_step": 8, "group_size": 8, "micro_batch_size": 8, "learning_rate": 1e-2},
 }
@@ -120,7 +97,9 @@ TINY_CPU_OCR: dict[str, Any] = {
 # attention-only adapter at 3e-4 the tiny model's jpeg reward does not move within minutes;
 # with these it gains ~8 first-step stds in 40 steps (bench/learning.py --compare nft).
 TINY_CPU_NFT: dict[str, Any] = {
-    "model": {"lora_targets": SD3_LORA_TARGETS + ["proj_out", "ff.net.0.proj", "ff.net.2"]},
+    "model": {"lora_targets": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                               "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",  # SD3's default
+                               "proj_out", "ff.net.0.proj", "ff.net.2"]},
     "train": {"learning_rate": 1e-2},
     "algorithm": {"name": "nft", "kl_beta": 0.0001, "nft_beta": 1.0},
     "sampling": {"guidance_scale": 1.0},
@@ -219,14 +198,18 @@ TINY_CPU_SHAPES: dict[str, Any] = {
 # guidance scale is FLUX.1-dev's 3.5, an input of the transformer), LoRA on flow_grpo's FLUX targets
 # plus the single-stream blocks' MLP and the output projections (as tiny-cpu adds them for SD3).
 TINY_CPU_FLUX: dict[str, Any] = {
-    "model": {"name": "builtin:tiny-flux", "lora_targets": FLUX_LORA_TARGETS + ["proj_mlp", "proj_out"]},
+    "model": {"name": "builtin:tiny-flux",
+              "lora_targets": ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
+                               "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
+                               "ff_context.net.0.proj", "ff_context.net.2",  # FLUX.1's default
+                               "proj_mlp", "proj_out"]},
     "sampling": {"guidance_scale": 3.5},
     "eval": {"guidance_scale": 3.5},
     "tracking": {"registered_model": "tiny-flux-jpeg"},
 }
 
 # FLUX.1-dev, flow_grpo's pickscore_flux recipe (config/grpo.py; scripts/train_flux.py): the gated hub
-# model in bf16 with an fp32 LoRA r64/alpha128 on FLUX_LORA_TARGETS, T5 prompts of 128 tokens, 512 px,
+# model in bf16 with an fp32 LoRA r64/alpha128 on FLUX.1's default targets, T5 prompts of 128 tokens, 512 px,
 # 6 sampling steps at distilled guidance 3.5, SDE noise level 0.9 on every step, no KL, global std;
 # 48 prompts x 24 images a step, 3 images per micro-batch, 2 optimizer steps per step, bf16 forward, EMA
 # 0.9, evaluation with 28 ODE steps; PickScore reward. The reference spreads this over 32 GPUs (data
@@ -239,7 +222,6 @@ FLUX1_DEV_PICKSCORE: dict[str, Any] = {
         "max_sequence_length": 128,
         "lora_rank": 64,
         "lora_alpha": 128,
-        "lora_targets": FLUX_LORA_TARGETS,
         "gradient_checkpointing": True,
     },
     "sampling": {"resolution": 512, "num_steps": 6, "guidance_scale": 3.5, "noise_level": 0.9},
@@ -269,37 +251,19 @@ FLUX1_DEV_PICKSCORE: dict[str, Any] = {
     "tracking": {"registered_model": "flux1-dev-pickscore"},
 }
 
-# Qwen-Image's double-stream blocks: both streams' attention projections and MLPs (the adapter drops
-# the last block's text-output layers, whose gradient is exactly 0).
-QWEN_IMAGE_LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "img_mlp.net.0.proj",
-    "img_mlp.net.2",
-    "txt_mlp.net.0.proj",
-    "txt_mlp.net.2",
-]
-
 # Over TINY_CPU: Flow-GRPO on builtin:tiny-qwen-image: true CFG at flow_grpo's Qwen-Image guidance 4
 # (two forwards a step, the mix rescaled to the positive prediction's norm), LoRA on both streams plus
 # the output projection.
 TINY_CPU_QWEN_IMAGE: dict[str, Any] = {
-    "model": {"name": "builtin:tiny-qwen-image", "lora_targets": QWEN_IMAGE_LORA_TARGETS + ["proj_out"]},
+    "model": {"name": "builtin:tiny-qwen-image",
+              "lora_targets": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                               "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj",
+                               "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",  # Qwen-Image's default
+                               "proj_out"]},
     "sampling": {"guidance_scale": 4.0, "negative_prompt": " "},
     "eval": {"guidance_scale": 4.0},
     "tracking": {"registered_model": "tiny-qwen-image-jpeg"},
 }
-
-# Wan2.1 T2V's LoRA targets in flow_grpo's scripts/train_wan2_1.py: the attention projections (as suffixes
-# they match the self-attention attn1 and the cross-attention attn2 of every block; flow_grpo's add_*
-# names only exist in the image-to-video model).
-WAN_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 # Over TINY_CPU: Flow-GRPO on builtin:tiny-wan, 32 px x 5 frames (2 latent frames), CFG 5.0 (Wan's
 # default; two forwards a step), the reward the per-frame JPEG compressibility (averaged over frames)
@@ -307,7 +271,8 @@ WAN_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 # projections (as tiny-cpu adds them for SD3); 4 groups of 4 videos (a video costs ~ 2 images of work).
 TINY_CPU_WAN: dict[str, Any] = {
     "model": {"name": "builtin:tiny-wan",
-              "lora_targets": WAN_LORA_TARGETS + ["ffn.net.0.proj", "ffn.net.2", "proj_out"]},
+              "lora_targets": ["to_q", "to_k", "to_v", "to_out.0",  # Wan's default
+                               "ffn.net.0.proj", "ffn.net.2", "proj_out"]},
     "sampling": {"resolution": 32, "num_frames": 5, "guidance_scale": 5.0},
     "reward": {"weights": {"jpeg_compressibility": 1.0, "temporal_consistency": 1.0}},
     "train": {"prompts_per_step": 4, "group_size": 4, "micro_batch_size": 4},
@@ -319,7 +284,7 @@ TINY_CPU_WAN: dict[str, Any] = {
 TINY_CPU_WAN_NFT: dict[str, Any] = {"sampling": {"guidance_scale": 1.0}, "eval": {"guidance_scale": 1.0}}
 
 # Wan2.1-T2V-1.3B, flow_grpo's general_ocr_wan2_1 recipe (config/grpo.py; scripts/train_wan2_1.py): the hub
-# model with an fp32 LoRA r32/alpha64 on WAN_LORA_TARGETS, UMT5 prompts of 512 tokens, 33 frames, 20
+# model with an fp32 LoRA r32/alpha64 on Wan's default targets, UMT5 prompts of 512 tokens, 33 frames, 20
 # sampling steps at CFG 4.5 with the empty negative prompt, 50 evaluation steps, 4 videos per prompt,
 # 8 videos per micro-batch, OCR reward. flow_grpo samples 240x416; our resolution is square: 256 (also
 # Flow-Factory's Wan2.1 T2V training resolution). bf16 forward with EMA 0.9, as the reference's
@@ -332,7 +297,6 @@ WAN21_T2V_OCR: dict[str, Any] = {
         "max_sequence_length": 512,
         "lora_rank": 32,
         "lora_alpha": 64,
-        "lora_targets": WAN_LORA_TARGETS,
         "gradient_checkpointing": True,
     },
     "sampling": {"resolution": 256, "num_frames": 33, "num_steps": 20, "guidance_scale": 4.5},

@@ -19,23 +19,14 @@ TINY_CPU_MIXGRPO: dict[str, Any] = {
                  "window_shift_interval": 10, "window_stride": 1},
 }
 
-# Z-Image's blocks (noise refiner, context refiner, joint layers): attention projections and the
-# SwiGLU feed-forward (w1, w3 in, w2 out).
-ZIMAGE_LORA_TARGETS = [
-    "attention.to_q",
-    "attention.to_k",
-    "attention.to_v",
-    "attention.to_out.0",
-    "feed_forward.w1",
-    "feed_forward.w2",
-    "feed_forward.w3",
-]
-
 # Over TINY_CPU: Flow-GRPO on builtin:tiny-zimage with a CFG pass at 4 (Z-Image's base-model regime; the
 # Turbo recipe below samples without one), LoRA on every block plus the final projection ("linear"),
 # prompts of up to 64 Qwen3 tokens after the chat template.
 TINY_CPU_ZIMAGE: dict[str, Any] = {
-    "model": {"name": "builtin:tiny-zimage", "lora_targets": ZIMAGE_LORA_TARGETS + ["linear"],
+    "model": {"name": "builtin:tiny-zimage",
+              "lora_targets": ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                               "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",  # Z-Image's default
+                               "linear"],
               "max_sequence_length": 64},
     # lr 3e-2: 4.6 first-step stds in 25 steps (bench/learning.py --compare zimage --steps 25); 1.6 in 23 at 1e-2
     "train": {"learning_rate": 3e-2},
@@ -45,7 +36,7 @@ TINY_CPU_ZIMAGE: dict[str, Any] = {
 }
 
 # Z-Image-Turbo (Tongyi-MAI/Z-Image-Turbo, 6B single-stream DiT, Qwen3-4B text encoder, FLUX VAE), Flow-GRPO
-# on PickScore: bf16 weights with an fp32 LoRA r64/alpha128 on ZIMAGE_LORA_TARGETS, gradient checkpointing,
+# on PickScore: bf16 weights with an fp32 LoRA r64/alpha128 on Z-Image's default targets, gradient checkpointing,
 # 512 px, the model's 8 steps without CFG (guidance-distilled: our guidance_scale 1 = the pipeline's 0),
 # a 2-step SDE window in the first 4 steps, 8 FSDP2 ranks with colocated local engines that hand their
 # memory to the trainer (memory_handoff) and an offloaded optimizer.
@@ -57,7 +48,6 @@ ZIMAGE_TURBO_PICKSCORE: dict[str, Any] = {
         "max_sequence_length": 512,
         "lora_rank": 64,
         "lora_alpha": 128,
-        "lora_targets": ZIMAGE_LORA_TARGETS,
         "gradient_checkpointing": True,
     },
     "sampling": {"resolution": 512, "num_steps": 8, "guidance_scale": 1.0, "noise_level": 0.7,
@@ -88,9 +78,9 @@ ZIMAGE_TURBO_PICKSCORE: dict[str, Any] = {
     "tracking": {"registered_model": "zimage-turbo-pickscore"},
 }
 
-# FLUX.2's blocks: both streams' attention projections and SwiGLU feed-forwards in the double-stream
-# blocks, the fused QKV+MLP input and the output projection of the single-stream blocks.
-FLUX2_LORA_TARGETS = [
+# FLUX.2's default LoRA targets (FLUX.2 [dev] and [klein]; ``Flux2Adapter.default_lora_targets``) plus the
+# output projection: the tiny FLUX.2 presets' list.
+FLUX2_TINY_LORA_TARGETS = [
     "attn.to_q",
     "attn.to_k",
     "attn.to_v",
@@ -105,15 +95,16 @@ FLUX2_LORA_TARGETS = [
     "ff_context.linear_out",
     "attn.to_qkv_mlp_proj",
     "attn.to_out",
+    "proj_out",
 ]
 
 # Over TINY_CPU: Flow-GRPO on builtin:tiny-flux2 at FLUX.2 [dev]'s distilled guidance 4 (a transformer
-# input, no CFG pass), LoRA on FLUX2_LORA_TARGETS plus the output projection, 64 text tokens (the
+# input, no CFG pass), LoRA on FLUX.2's default targets plus the output projection, 64 text tokens (the
 # templated system message takes ~30 of them). Learning rate 3e-2: the 0.1 M-parameter transformer
 # (width 32) gained 0.7 first-step stds in 40 steps at tiny-cpu's 1e-2, 10.7 in 25 steps at 3e-2
 # (bench/learning.py --compare flux2 --steps 25).
 TINY_CPU_FLUX2: dict[str, Any] = {
-    "model": {"name": "builtin:tiny-flux2", "lora_targets": FLUX2_LORA_TARGETS + ["proj_out"],
+    "model": {"name": "builtin:tiny-flux2", "lora_targets": FLUX2_TINY_LORA_TARGETS,
               "max_sequence_length": 64},
     "train": {"learning_rate": 3e-2},
     "sampling": {"guidance_scale": 4.0},
@@ -122,7 +113,7 @@ TINY_CPU_FLUX2: dict[str, Any] = {
 }
 
 # FLUX.2 [dev] (black-forest-labs/FLUX.2-dev, gated: HF_TOKEN; a 32B transformer and Mistral Small 3.1
-# 24B as text encoder), Flow-GRPO on PickScore: bf16 with an fp32 LoRA r32/alpha64 on FLUX2_LORA_TARGETS,
+# 24B as text encoder), Flow-GRPO on PickScore: bf16 with an fp32 LoRA r32/alpha64 on FLUX.2's default targets,
 # gradient checkpointing, 512 px, 10 steps at the distilled guidance 4, a 2-step SDE window in the first 5
 # steps, one image per micro-batch. Memory: every rank holds the whole pipeline (~64 GB transformer +
 # ~48 GB text encoder in bf16) before FSDP2 shards the trained transformer, so this needs 141 GB GPUs
@@ -135,7 +126,6 @@ FLUX2_DEV_PICKSCORE: dict[str, Any] = {
         "max_sequence_length": 512,
         "lora_rank": 32,
         "lora_alpha": 64,
-        "lora_targets": FLUX2_LORA_TARGETS,
         "gradient_checkpointing": True,
     },
     "sampling": {"resolution": 512, "num_steps": 10, "guidance_scale": 4.0, "noise_level": 0.7,
@@ -169,7 +159,7 @@ FLUX2_DEV_PICKSCORE: dict[str, Any] = {
 # Over TINY_CPU: Flow-GRPO on builtin:tiny-flux2-klein (FLUX.2 [klein] base: no guidance embedding, a CFG pass
 # on the empty negative prompt at 4, two forwards a step), LoRA as tiny-cpu-flux2.
 TINY_CPU_FLUX2_KLEIN: dict[str, Any] = {
-    "model": {"name": "builtin:tiny-flux2-klein", "lora_targets": FLUX2_LORA_TARGETS + ["proj_out"],
+    "model": {"name": "builtin:tiny-flux2-klein", "lora_targets": FLUX2_TINY_LORA_TARGETS,
               "max_sequence_length": 64},
     "train": {"learning_rate": 3e-2},  # as tiny-cpu-flux2: 3.7 first-step stds in 25 steps (0.03 at 1e-2)
     "sampling": {"guidance_scale": 4.0},
@@ -179,7 +169,7 @@ TINY_CPU_FLUX2_KLEIN: dict[str, Any] = {
 
 # FLUX.2 [klein] base 4B (black-forest-labs/FLUX.2-klein-base-4B, Apache-2.0; the undistilled variant BFL
 # names for fine-tuning; Qwen3-4B text encoder): Flow-GRPO on PickScore, bf16 with an fp32 LoRA r32/alpha64
-# on FLUX2_LORA_TARGETS, 512 px, 16 steps at CFG 4 (two forwards a step), a 2-step SDE window in the first
+# on FLUX.2's default targets, 512 px, 16 steps at CFG 4 (two forwards a step), a 2-step SDE window in the first
 # 8 steps, 8 ranks with colocated engines; ~8 GB transformer + ~8 GB text encoder per rank (80 GB GPUs).
 FLUX2_KLEIN_BASE_PICKSCORE: dict[str, Any] = {
     **FLUX2_DEV_PICKSCORE,

@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass
 
 from .objectives import ALGORITHMS, SDE_OBJECTIVES, objective, option_classes
-from .presets import SD3_LORA_TARGETS
 from .tree import (
     ConfigError,
     check_choice,
@@ -32,7 +31,8 @@ class ModelConfig:
     lora_rank: int = option(8, "LoRA rank r")
     lora_alpha: int = option(16, "LoRA alpha (scale = alpha / r)")
     lora_init: str = option("gaussian", "peft init_lora_weights: gaussian | true (kaiming, B = 0 in both)")
-    lora_targets: list[str] = option(SD3_LORA_TARGETS, "Module name suffixes that get a LoRA adapter")
+    lora_targets: list[str] = option([], "Module name suffixes that get a LoRA adapter; empty: the family's own "
+                                     "(its adapter's default_lora_targets, e.g. SD3's attention projections)")
     lora_experts: str = option("both", "A model with two experts (Wan2.2 A14B): which gets the LoRA: both | high "
                                "(transformer, high-noise steps) | low (transformer_2, low-noise steps)")
     gradient_checkpointing: bool = option(False, "Recompute transformer activations in backward")
@@ -45,8 +45,6 @@ class ModelConfig:
         check_positive("model", "lora_rank", self.lora_rank)
         check_positive("model", "lora_alpha", self.lora_alpha)
         check_positive("model", "max_sequence_length", self.max_sequence_length)
-        if not self.lora_targets:
-            raise ConfigError("model.lora_targets is empty: list at least one module suffix, e.g. 'attn.to_q'")
 
 
 @dataclass

@@ -13,9 +13,10 @@ latents ``[B, C, H/f, W/f]`` in float32 (a family that packs them, as FLUX does,
 (they reduce over all non-batch dims).
 
 A family subclasses ``FlowAdapter`` in ``models/<family>.py`` (class attributes ``family``,
-``pipeline_class``, ``builtin``, ``components``; methods ``_encode``, ``velocity``, and where it
-differs ``latent_shape`` / ``_timestep_kwargs`` / ``needs_negative``) and is listed in
-``models/families.py``.
+``pipeline_class``, ``builtin``, ``components``, how its CFG pass runs: ``cfg_mode``,
+``cfg_negative_first``, ``cfg_norm_rescale``; methods ``_encode`` and ``_forward``, the one
+transformer call under ``velocity``'s template, and where it differs ``_unpack`` / ``latent_shape``
+/ ``_timestep_kwargs`` / ``needs_negative``) and is listed in ``models/families.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch
 
 from diffusionrl.trajectory import Conditioning
 
+from .lora import LoraTargets
+from .textside import TextSide
 from .truncation import truncation_warnings_dropped
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -90,7 +93,7 @@ def module_digest(modules: dict[str, torch.nn.Module]) -> str:
     return h.hexdigest()
 
 
-class FlowAdapter:
+class FlowAdapter(LoraTargets):
     """A diffusers flow-matching text-to-image pipeline behind the interface the library uses."""
 
     family = ""  # short name (logs, bench/families.py)
@@ -140,32 +143,6 @@ class FlowAdapter:
             self._digest = module_digest(mods)
         return self._digest
 
-    def dead_lora_targets(self) -> set[str]:
-        """Linear layers whose output cannot change the prediction (exact-zero gradient): left out."""
-        return set()
-
-    def lora_targets(self, suffixes: list[str], experts: str = "both") -> list[str]:
-        """Full module names of the transformer's linear layers that end with one of ``suffixes``
-        (of one expert only where ``experts`` names it: ``expert_targets``)."""
-        dead = self.dead_lora_targets()
-        names = [
-            name
-            for name, module in self.transformer.named_modules()
-            if isinstance(module, torch.nn.Linear) and any(name.endswith(s) for s in suffixes) and name not in dead
-        ]
-        if experts != "both":
-            names = self.expert_targets(names, experts)
-        if not names:
-            raise ValueError(f"no transformer module matches the LoRA targets {suffixes}")
-        return names
-
-    def expert_targets(self, names: list[str], experts: str) -> list[str]:
-        """The LoRA target ``names`` of expert ``experts`` (a family with several experts: Wan2.2)."""
-        from diffusionrl.config import ConfigError
-
-        raise ConfigError(f"model.lora_experts={experts}: {self.family} has one transformer, not two experts "
-                          "(Wan2.2); set model.lora_experts=both")
-
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
@@ -203,8 +180,9 @@ class FlowAdapter:
         return sigmas, timesteps
 
     def needs_negative(self, guidance_scale: float) -> bool:
-        """Whether sampling at ``guidance_scale`` runs a CFG pass on negative-prompt embeddings."""
-        return guidance_scale != 1.0
+        """Whether sampling at ``guidance_scale`` runs a CFG pass on negative-prompt embeddings
+        (never where the guidance is embedded, ``cfg_mode = "embedded"``)."""
+        return self.cfg_mode != "embedded" and guidance_scale != 1.0
 
     # -- the stock pipeline's forms (parity tests and bench/families.py call the pipeline itself) --
     def to_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
@@ -303,6 +281,15 @@ class FlowAdapter:
     def forward_dtype(self, transformer: torch.nn.Module) -> torch.dtype:
         return transformer.dtype if self.autocast_dtype is None else self.autocast_dtype
 
+    # How a CFG pass runs (``velocity``; a class-level fact of each family):
+    # "batched": one forward on ``[x; x]`` with both sides' text in one batch (``TextSide.cat``;
+    #   ``cfg_negative_first``: the negative side first, as the stock pipeline lays the batch out);
+    # "separate": one forward per side (the texts' lengths or masks differ, or the pipeline does so);
+    # "embedded": none: the scale is an input of the transformer (``guidance_input``), one forward.
+    cfg_mode = "batched"
+    cfg_negative_first = True
+    cfg_norm_rescale = False  # the mix rescaled per token to the positive prediction's norm (Qwen-Image)
+
     def velocity(
         self,
         transformer: torch.nn.Module,
@@ -312,8 +299,60 @@ class FlowAdapter:
         guidance_scale: float,
     ) -> torch.Tensor:
         """The velocity ``[B, C, H, W]`` float32 of spatial ``latents`` at scheduler ``timestep``
-        (``sigma * num_train_timesteps``; a scalar or one per sample), computed with ``transformer``."""
+        (``sigma * num_train_timesteps``; a scalar or one per sample), computed with ``transformer``.
+
+        The one template of every family: the latents in the forward dtype, the timestep as float32
+        ``[B]``, the family's ``_forward`` under autocast, and where ``needs_negative`` a CFG pass as
+        ``cfg_mode`` says, mixed ``v_neg + g (v_pos - v_neg)`` in the forward's output layout (then
+        rescaled where ``cfg_norm_rescale``), and ``_unpack`` to the latents' layout."""
+        cfg = self.needs_negative(guidance_scale)
+        if cfg and cond.negative_prompt_embeds is None:
+            raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
+        dtype = self.forward_dtype(transformer)
+        x = latents.to(self.device, dtype)
+        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
+        t = t.expand(x.shape[0]) if t.numel() == 1 else t
+        pos = TextSide(cond.prompt_embeds, cond.pooled_embeds, cond.prompt_embeds_mask, cond.image_latents)
+
+        def forward(x: torch.Tensor, t: torch.Tensor, side: TextSide) -> torch.Tensor:
+            with self.autocast():
+                return self._forward(transformer, x, t, side, guidance_scale, dtype).float()
+
+        if not cfg:
+            return self._unpack(forward(x, t, pos), latents)
+        neg = TextSide(cond.negative_prompt_embeds, cond.negative_pooled_embeds, cond.negative_prompt_embeds_mask,
+                       cond.image_latents)
+        if self.cfg_mode == "batched":
+            first, second = (neg, pos) if self.cfg_negative_first else (pos, neg)
+            v_first, v_second = forward(torch.cat([x, x]), torch.cat([t, t]), TextSide.cat(first, second)).chunk(2)
+            v, v_neg = (v_second, v_first) if self.cfg_negative_first else (v_first, v_second)
+        else:
+            v, v_neg = forward(x, t, pos), forward(x, t, neg)
+        mixed = v_neg + guidance_scale * (v - v_neg)
+        if self.cfg_norm_rescale:
+            mixed = mixed * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(mixed, dim=-1, keepdim=True))
+        return self._unpack(mixed, latents)
+
+    def _forward(self, transformer: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, side: TextSide,
+                 guidance_scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """The family's one transformer call (``velocity`` runs it under autocast): latents ``x``
+        (``[N, ...]`` in ``dtype`` on the device, N = B or 2B), scheduler timesteps ``t`` (float32
+        ``[N]``; the family maps them to what its transformer takes, e.g. ``t / 1000``), one text
+        ``side`` of N rows (cast it to ``dtype``), ``guidance_scale`` for a guidance embedding
+        (``guidance_input``). Returns the prediction in the transformer's output layout (e.g.
+        packed tokens; ``_unpack`` maps it back), the per-token dim last where ``cfg_norm_rescale``."""
         raise NotImplementedError
+
+    def _unpack(self, v: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """``_forward``'s output layout -> the layout of ``latents`` (identity: already spatial)."""
+        return v
+
+    def guidance_input(self, batch: int, guidance_scale: float) -> torch.Tensor | None:
+        """The transformer's ``guidance`` input, ``[batch]`` float32 of the scale, where it has a
+        guidance embedding (guidance-distilled: FLUX.1 / FLUX.2 [dev]); None where it has none."""
+        if not self.transformer.config.guidance_embeds:
+            return None
+        return torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(batch)
 
     # -- images ---------------------------------------------------------------------------------
     @torch.no_grad()

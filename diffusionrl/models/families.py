@@ -236,6 +236,15 @@ def adapter_class(reference: str, revision: str = "", key: str = "model.name") -
                              f"pipelines are {[a.pipeline_class for a in ADAPTERS]}: use one of those or a builtin")
 
 
+def lora_suffixes(model_cfg) -> list[str]:
+    """The LoRA target suffixes ``model_cfg.lora_targets`` means: as listed, or where it is empty the
+    family's own (its adapter's ``default_lora_targets``): what a checkpoint's metadata records, so a run
+    that spells its family's default resumes one that left it empty and the other way round."""
+    if model_cfg.lora_targets:
+        return list(model_cfg.lora_targets)
+    return adapter_class(model_cfg.name, model_cfg.revision).lora_suffixes(model_cfg.lora_targets)
+
+
 def load_pipeline(reference: str, revision: str = "", dtype: str = "float32"):
     """The family's diffusers pipeline from a builtin name, a local folder or a hub id.
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from diffusionrl.trajectory import Conditioning
-
 from .base import FlowAdapter
 from .packed import PackedLatents, pack, unpack
+from .textside import TextSide
 from .tiny_flux import TINY_FLUX_REF, build_tiny_flux_pipeline
 
 __all__ = ["FluxAdapter", "image_ids", "pack", "unpack"]
@@ -46,13 +45,16 @@ class FluxAdapter(PackedLatents, FlowAdapter):
     builtin = TINY_FLUX_REF
     components = ("transformer", "vae", "text_encoder", "text_encoder_2")
     pipeline_logger = "diffusers.pipelines.flux.pipeline_flux"
+    cfg_mode = "embedded"  # guidance-distilled: the scale is an input of the transformer, no CFG pass
+    # flow_grpo's scripts/train_flux.py: both streams' attention projections and feed-forwards of the
+    # double-stream blocks (the single-stream blocks' attn.to_q/k/v match by suffix too).
+    default_lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
+                            "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
+                            "ff_context.net.0.proj", "ff_context.net.2")
 
     @staticmethod
     def build_tiny():
         return build_tiny_flux_pipeline()
-
-    def needs_negative(self, guidance_scale: float) -> bool:
-        return False  # guidance-distilled: the scale is an input of the transformer
 
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
         embeds, pooled, _ = self.pipe.encode_prompt(
@@ -66,40 +68,28 @@ class FluxAdapter(PackedLatents, FlowAdapter):
             (self.pipe.tokenizer_2, max_sequence_length, f"T5 model.max_sequence_length={max_sequence_length}")
         ]
 
-    def velocity(
-        self,
-        transformer: torch.nn.Module,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """One forward on the packed latents with the guidance embedding; float32 ``[B, C, H, W]``."""
-        b, _, h, w = latents.shape
-        dtype = self.forward_dtype(transformer)
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
-        t = t.expand(b) if t.numel() == 1 else t
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(b)
-        embeds = cond.prompt_embeds.to(self.device, dtype)
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dtype)
-        hidden, img_ids = self.image_tokens(latents, cond, dtype)
-        with self.autocast():
-            out = transformer(
-                hidden_states=hidden,
-                timestep=t / 1000,
-                guidance=guidance,
-                pooled_projections=cond.pooled_embeds.to(self.device, dtype),
-                encoder_hidden_states=embeds,
-                txt_ids=txt_ids,
-                img_ids=img_ids,
-                return_dict=False,
-            )[0]
-        return unpack(out[:, : (h // 2) * (w // 2)].float(), h, w)  # the noisy latents' tokens come first
+    def _forward(self, transformer, x, t, side, guidance_scale, dtype) -> torch.Tensor:
+        """One forward on the packed latents (and, for FLUX.1 Kontext, the input image's: ``image_tokens``)
+        with the guidance embedding (``guidance_input``)."""
+        embeds = side.embeds.to(self.device, dtype)
+        hidden, img_ids = self.image_tokens(x, side, dtype)
+        return transformer(
+            hidden_states=hidden,
+            timestep=t / 1000,
+            guidance=self.guidance_input(x.shape[0], guidance_scale),
+            pooled_projections=side.pooled.to(self.device, dtype),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dtype),
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
 
-    def image_tokens(self, latents: torch.Tensor, cond: Conditioning, dtype: torch.dtype) -> tuple:
-        """The transformer's image tokens ``[B, N, 64]`` and their position ids ``[N, 3]``: the packed
-        latents (FLUX.1 Kontext appends its input image's, ``models/flux_kontext.py``)."""
-        _, _, h, w = latents.shape
-        return pack(latents.to(self.device, dtype)), image_ids(h, w, self.device, dtype)
+    def image_tokens(self, x: torch.Tensor, side: TextSide, dtype: torch.dtype) -> tuple:
+        """The transformer's image tokens ``[N, L, 64]`` and their position ids ``[L, 3]``: the packed
+        latents ``x`` (FLUX.1 Kontext appends its input image's, ``side.image``: ``models/flux_kontext.py``)."""
+        h, w = x.shape[-2:]
+        return pack(x), image_ids(h, w, self.device, dtype)
+
+    def _unpack(self, v: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        h, w = latents.shape[-2:]
+        return unpack(v[:, : (h // 2) * (w // 2)], h, w)  # the noisy latents' tokens come first

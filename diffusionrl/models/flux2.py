@@ -22,8 +22,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusionrl.trajectory import Conditioning
-
 from .base import FlowAdapter
 from .tiny_flux2 import TINY_FLUX2_KLEIN_REF, TINY_FLUX2_REF, build_tiny_flux2_klein_pipeline, build_tiny_flux2_pipeline
 
@@ -41,6 +39,13 @@ class Flux2Adapter(FlowAdapter):
     builtin = TINY_FLUX2_REF
     components = ("transformer", "vae", "text_encoder")
     pipeline_logger = "diffusers.pipelines.flux2.pipeline_flux2"
+    cfg_mode = "embedded"  # guidance-distilled: the scale is an input of the transformer, no CFG pass
+    # Both streams' attention projections and SwiGLU feed-forwards in the double-stream blocks, the fused
+    # QKV+MLP input and the output projection of the single-stream blocks (FLUX.2 [klein] too).
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                            "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff.linear_in",
+                            "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+                            "attn.to_qkv_mlp_proj", "attn.to_out")
 
     @staticmethod
     def build_tiny():
@@ -59,9 +64,6 @@ class Flux2Adapter(FlowAdapter):
         return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps),
                 "mu": compute_empirical_mu(image_seq_len=h * w, num_steps=num_steps)}
 
-    def needs_negative(self, guidance_scale: float) -> bool:
-        return False  # guidance-distilled: the scale is an input of the transformer
-
     def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         _, h, w = self.latent_shape(resolution)
         return unpack_tokens(latents, h, w)
@@ -75,44 +77,18 @@ class Flux2Adapter(FlowAdapter):
         return [(self.pipe.tokenizer, max_sequence_length,
                  f"the templated prompt cut to model.max_sequence_length={max_sequence_length} tokens")]
 
-    def velocity(
-        self,
-        transformer: torch.nn.Module,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """One forward on the flattened latent tokens (with the guidance embedding where the model has
-        one), and a second on the negative text where there is a CFG pass (FLUX.2 [klein] base:
-        ``v_neg + g (v - v_neg)``, as the pipeline); float32 ``[B, C, H, W]``."""
+    def _forward(self, transformer, x, t, side, guidance_scale, dtype) -> torch.Tensor:
+        """One forward on the flattened latent tokens, with the guidance embedding where the model has
+        one (``guidance_input``); FLUX.2 [klein] base runs it once per side (``cfg_mode``)."""
         pipe = type(self.pipe)
-        cfg = self.needs_negative(guidance_scale)
-        if cfg and cond.negative_prompt_embeds is None:
-            raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
-        b, _, h, w = latents.shape
-        dtype = self.forward_dtype(transformer)
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
-        t = t.expand(b) if t.numel() == 1 else t
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(b)
-        x = latents.to(self.device, dtype)
-        tokens, img_ids = pipe._pack_latents(x), pipe._prepare_latent_ids(x).to(self.device)
+        embeds = side.embeds.to(self.device, dtype)
+        return transformer(hidden_states=pipe._pack_latents(x), timestep=t / 1000,
+                           guidance=self.guidance_input(x.shape[0], guidance_scale), encoder_hidden_states=embeds,
+                           txt_ids=pipe._prepare_text_ids(embeds).to(self.device),
+                           img_ids=pipe._prepare_latent_ids(x).to(self.device), return_dict=False)[0]
 
-        def forward(embeds: torch.Tensor) -> torch.Tensor:
-            embeds = embeds.to(self.device, dtype)
-            with self.autocast():
-                out = transformer(hidden_states=tokens, timestep=t / 1000, guidance=guidance,
-                                  encoder_hidden_states=embeds, txt_ids=pipe._prepare_text_ids(embeds).to(self.device),
-                                  img_ids=img_ids, return_dict=False)[0]
-            return unpack_tokens(out.float(), h, w)
-
-        v = forward(cond.prompt_embeds)
-        if not cfg:
-            return v
-        v_neg = forward(cond.negative_prompt_embeds)
-        return v_neg + guidance_scale * (v - v_neg)
+    def _unpack(self, v: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return unpack_tokens(v, *latents.shape[-2:])
 
     # -- images: batch-norm statistics and the 2x2 patchify around the VAE ---------------------------
     def _bn(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +125,7 @@ class Flux2KleinAdapter(Flux2Adapter):
     pipeline_class = "Flux2KleinPipeline"
     builtin = TINY_FLUX2_KLEIN_REF
     pipeline_logger = "diffusers.pipelines.flux2.pipeline_flux2_klein"
+    cfg_mode = "separate"  # as Flux2KleinPipeline: a second forward on the negative text
 
     @staticmethod
     def build_tiny():

@@ -23,10 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusionrl.trajectory import Conditioning
-
 from .flux import FluxAdapter, image_ids
 from .packed import pack
+from .textside import TextSide
 from .tiny_flux import TINY_FLUX_KONTEXT_REF, build_tiny_flux_kontext_pipeline
 
 __all__ = ["FluxKontextAdapter", "reference_ids"]
@@ -84,9 +83,9 @@ class FluxKontextAdapter(FluxAdapter):
             out.append(encoded[key])
         return torch.cat(out)
 
-    def image_tokens(self, latents: torch.Tensor, cond: Conditioning, dtype: torch.dtype) -> tuple:
-        tokens, ids = super().image_tokens(latents, cond, dtype)
-        ref = cond.image_latents
+    def image_tokens(self, x: torch.Tensor, side: TextSide, dtype: torch.dtype) -> tuple:
+        tokens, ids = super().image_tokens(x, side, dtype)
+        ref = side.image
         if ref is None:
             return tokens, ids
         _, _, h, w = ref.shape

@@ -20,8 +20,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusionrl.trajectory import Conditioning
-
 from .base import FlowAdapter
 from .packed import PackedLatents, pack, unpack
 from .tiny_qwen_image import TINY_QWEN_IMAGE_REF, build_tiny_qwen_image_pipeline
@@ -35,6 +33,12 @@ class QwenImageAdapter(PackedLatents, FlowAdapter):
     builtin = TINY_QWEN_IMAGE_REF
     components = ("transformer", "vae", "text_encoder")
     pipeline_logger = "diffusers.pipelines.qwenimage.pipeline_qwenimage"
+    cfg_mode = "separate"  # true CFG: the positive and negative texts differ in length
+    cfg_norm_rescale = True
+    # Both streams' attention projections and MLPs (``dead_lora_targets`` drops the last block's text outputs).
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                            "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj",
+                            "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 
     @staticmethod
     def build_tiny():
@@ -68,44 +72,21 @@ class QwenImageAdapter(PackedLatents, FlowAdapter):
         return [(self.pipe.tokenizer, max_sequence_length,
                  f"Qwen2.5-VL embeddings cut to model.max_sequence_length={max_sequence_length}")]
 
-    def velocity(
-        self,
-        transformer: torch.nn.Module,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """True-CFG velocity (two forwards on the packed latents), float32 ``[B, C, H, W]``."""
-        cfg = self.needs_negative(guidance_scale)
-        if cfg and cond.negative_prompt_embeds is None:
-            raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
-        b, _, h, w = latents.shape
-        dtype = self.forward_dtype(transformer)
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
-        t = t.expand(b) if t.numel() == 1 else t
-        x = pack(latents.to(self.device, dtype))
-        img_shapes = [[(1, h // 2, w // 2)]] * b
+    def _forward(self, transformer, x, t, side, guidance_scale, dtype) -> torch.Tensor:
+        """One forward on the packed latents (per packed token: the CFG rescale's norm)."""
+        h, w = x.shape[-2:]
+        return transformer(
+            hidden_states=pack(x),
+            timestep=t / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=None if side.mask is None else side.mask.to(self.device),
+            encoder_hidden_states=side.embeds.to(self.device, dtype),
+            img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
+            return_dict=False,
+        )[0]
 
-        def forward(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-            return transformer(
-                hidden_states=x,
-                timestep=t / 1000,
-                guidance=None,
-                encoder_hidden_states_mask=None if mask is None else mask.to(self.device),
-                encoder_hidden_states=embeds.to(self.device, dtype),
-                img_shapes=img_shapes,
-                return_dict=False,
-            )[0].float()
-
-        with self.autocast():
-            v = forward(cond.prompt_embeds, cond.prompt_embeds_mask)
-            if cfg:
-                v_neg = forward(cond.negative_prompt_embeds, cond.negative_prompt_embeds_mask)
-        if cfg:
-            mixed = v_neg + guidance_scale * (v - v_neg)
-            v = mixed * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(mixed, dim=-1, keepdim=True))
-        return unpack(v, h, w)
+    def _unpack(self, v: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return unpack(v, *latents.shape[-2:])
 
     # -- images: the video VAE on one frame, per-channel normalisation ----------------------------
     def _stats(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from diffusionrl.trajectory import Conditioning
-
 from .base import DTYPES, FlowAdapter, hf_token, module_digest, resolve_device
 from .tiny import TINY_REF, build_tiny_sd3_pipeline
 
@@ -25,6 +23,9 @@ class SD3Adapter(FlowAdapter):
     builtin = TINY_REF
     components = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     pipeline_logger = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3"
+    # The attention projections (both streams) the SD3.5 reference recipes adapt.
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                            "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
     @staticmethod
     def build_tiny():
@@ -66,37 +67,7 @@ class SD3Adapter(FlowAdapter):
                            f"T5 model.max_sequence_length={max_sequence_length}"))
         return limits
 
-    def velocity(
-        self,
-        transformer: torch.nn.Module,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """CFG velocity in float32: one forward on ``[x; x]`` with ``[negative; positive]``."""
-        cfg = guidance_scale != 1.0
-        if cfg and cond.negative_prompt_embeds is None:
-            raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
-        x = latents
-        embeds, pooled = cond.prompt_embeds, cond.pooled_embeds
-        if cfg:
-            x = torch.cat([latents, latents])  # [2B, C, H, W]
-            embeds = torch.cat([cond.negative_prompt_embeds, embeds])
-            pooled = torch.cat([cond.negative_pooled_embeds, pooled])
-        dtype = self.forward_dtype(transformer)
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
-        t = t.expand(x.shape[0]) if t.numel() == 1 else (torch.cat([t, t]) if cfg else t)
-        with self.autocast():
-            out = transformer(
-                hidden_states=x.to(self.device, dtype),
-                timestep=t,
-                encoder_hidden_states=embeds.to(dtype),
-                pooled_projections=pooled.to(dtype),
-                return_dict=False,
-            )[0]
-        out = out.float()
-        if not cfg:
-            return out
-        v_neg, v_pos = out.chunk(2)
-        return v_neg + guidance_scale * (v_pos - v_neg)
+    def _forward(self, transformer, x, t, side, guidance_scale, dtype) -> torch.Tensor:
+        """One forward; a CFG pass goes in the same batch, ``[negative; positive]`` (``cfg_mode``'s default)."""
+        return transformer(hidden_states=x, timestep=t, encoder_hidden_states=side.embeds.to(self.device, dtype),
+                           pooled_projections=side.pooled.to(self.device, dtype), return_dict=False)[0]

@@ -6,6 +6,12 @@ FlowMatchEulerDiscreteScheduler with shift 3.0), tokenizers built from an in-cod
 Each constructor runs right after ``torch.manual_seed(TINY_SEED + k)``, so every machine with the
 same torch version builds the same weights. About 0.6 M parameters; 64 px in ~0.1 s a step on CPU.
 
+The parts the tiny builtins share are built here, once: the tokenizers (``build_tokenizers``), the
+CLIP and T5 text encoders (``tiny_clip``, ``tiny_t5``), the config of a decoder-LM text encoder
+(``decoder_text_config``: Qwen2.5-VL, Qwen3, Mistral), the 8x VAE with its faithful decoder
+(``tiny_vae``) and the frozen components (``frozen``); each family's ``tiny_<family>.py`` adds its
+transformer, scheduler and seeds.
+
 ``save_tiny_sd3(dir)`` writes a normal diffusers folder that
 ``StableDiffusion3Pipeline.from_pretrained(dir)`` (and SGLang's SD3 runtime) loads.
 """
@@ -111,51 +117,75 @@ def make_decoder_faithful(vae) -> None:
             module.bias.zero_()
 
 
+# -- the tiny builtins' shared parts (each family's tiny_<family>.py takes them from here) ---------
+def tiny_clip(seed: int, vocab_size: int, projection: bool = True):
+    """A 2-layer, 32-wide CLIP text encoder (``CLIPTextModelWithProjection``, or ``CLIPTextModel``
+    without ``projection``), built right after ``torch.manual_seed(seed)``."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=77, projection_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        hidden_act="gelu",
+    ))
+
+
+def tiny_t5(seed: int, vocab_size: int, umt5: bool = False):
+    """A 2-layer, 64-wide T5 encoder (``T5EncoderModel``, or Wan's ``UMT5EncoderModel``), built right
+    after ``torch.manual_seed(seed)``."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    torch.manual_seed(seed)
+    return model_class(config_class(
+        vocab_size=vocab_size, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0,
+    ))
+
+
+def decoder_text_config(vocab_size: int, hidden_size: int, num_hidden_layers: int, **extra) -> dict:
+    """The text config of a tiny decoder-only LM text encoder (Qwen2.5-VL, Qwen3, Mistral): 2 heads,
+    1 key-value head, MLP twice the width, token 0 as bos/eos/pad; ``extra`` adds to it."""
+    return dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_hidden_layers, num_attention_heads=2, num_key_value_heads=1, **extra,
+                max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def tiny_vae(seed: int, vae_class=None, **config):
+    """A 4-stage, 8x VAE (``vae_class``: diffusers' ``AutoencoderKL`` unless given, e.g.
+    ``AutoencoderKLFlux2``) with 16 latent channels unless ``config`` says otherwise, built right after
+    ``torch.manual_seed(seed)``, its decoder made faithful (``make_decoder_faithful``)."""
+    if vae_class is None:
+        from diffusers import AutoencoderKL as vae_class
+    torch.manual_seed(seed)
+    vae = vae_class(**{
+        "in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlock2D",) * 4,
+        "up_block_types": ("UpDecoderBlock2D",) * 4, "block_out_channels": (16, 16, 32, 32), "layers_per_block": 1,
+        "latent_channels": 16, "norm_num_groups": 8, "sample_size": 64, "use_quant_conv": False,
+        "use_post_quant_conv": False, "mid_block_add_attention": False, **config,
+    })
+    make_decoder_faithful(vae)
+    return vae
+
+
+def frozen(components: dict) -> dict:
+    """``components`` with every module in eval mode and without gradients (a pipeline's components)."""
+    for module in components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval().requires_grad_(False)
+    return components
+
+
 def build_tiny_sd3_components() -> dict:
     """All components of a tiny SD3 pipeline, in eval mode, fp32, CPU."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     clip_tok, t5_tok = build_tokenizers()
-    clip_vocab = len(clip_tok)
-
-    def clip_encoder(k: int):
-        torch.manual_seed(TINY_SEED + k)
-        cfg = CLIPTextConfig(
-            vocab_size=clip_vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=77,
-            projection_dim=32,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-            hidden_act="gelu",
-        )
-        return CLIPTextModelWithProjection(cfg)
-
-    text_encoder = clip_encoder(1)
-    text_encoder_2 = clip_encoder(2)
-
-    torch.manual_seed(TINY_SEED + 3)
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=64,
-            d_kv=32,
-            d_ff=128,
-            num_layers=2,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            dropout_rate=0.0,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    )
+    text_encoder = tiny_clip(TINY_SEED + 1, len(clip_tok))
+    text_encoder_2 = tiny_clip(TINY_SEED + 2, len(clip_tok))
+    t5 = tiny_t5(TINY_SEED + 3, len(t5_tok))
 
     torch.manual_seed(TINY_SEED + 4)
     transformer = SD3Transformer2DModel(
@@ -172,29 +202,9 @@ def build_tiny_sd3_components() -> dict:
         pos_embed_max_size=32,
     )
 
-    torch.manual_seed(TINY_SEED + 5)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 16, 32, 32),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
-    )
-
-    make_decoder_faithful(vae)
-
+    vae = tiny_vae(TINY_SEED + 5, scaling_factor=1.5305, shift_factor=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-
-    components = {
+    return frozen({
         "transformer": transformer,
         "vae": vae,
         "text_encoder": text_encoder,
@@ -204,11 +214,7 @@ def build_tiny_sd3_components() -> dict:
         "text_encoder_3": t5,
         "tokenizer_3": t5_tok,
         "scheduler": scheduler,
-    }
-    for module in components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-    return components
+    })
 
 
 def build_tiny_sd3_pipeline():

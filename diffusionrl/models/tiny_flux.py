@@ -5,7 +5,7 @@ with guidance embedding (guidance-distilled, no CFG), double- and single-stream 
 RoPE over txt_ids/img_ids; AutoencoderKL with 16 latent channels, 8x spatial compression and
 FLUX's scaling/shift factors (latents packed 2x2 into 64-channel tokens); CLIPTextModel (pooled)
 and T5EncoderModel; FlowMatchEulerDiscreteScheduler with FLUX.1-dev's resolution-dependent
-(dynamic) shift. Tokenizers and the faithful VAE decoder come from ``models/tiny.py``; each
+(dynamic) shift. Tokenizers, text encoders and the VAE come from ``models/tiny.py``; each
 constructor runs right after ``torch.manual_seed(TINY_SEED + k)``, so the weights are the same
 on every machine with the same torch version.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny import TINY_SEED, build_tokenizers, make_decoder_faithful
+from .tiny import TINY_SEED, build_tokenizers, frozen, tiny_clip, tiny_t5, tiny_vae
 
 TINY_FLUX_REF = "builtin:tiny-flux"
 TINY_FLUX_KONTEXT_REF = "builtin:tiny-flux-kontext"  # the same components behind FluxKontextPipeline
@@ -25,24 +25,11 @@ TINY_FLUX_KONTEXT_REF = "builtin:tiny-flux-kontext"  # the same components behin
 
 def build_tiny_flux_components() -> dict:
     """All components of a tiny FLUX.1 pipeline, in eval mode, fp32, CPU."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     clip_tok, t5_tok = build_tokenizers()
-
-    torch.manual_seed(TINY_SEED + 11)
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(clip_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=77, projection_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-        hidden_act="gelu",
-    ))
-
-    torch.manual_seed(TINY_SEED + 12)
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(t5_tok), d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0,
-        eos_token_id=1, decoder_start_token_id=0,
-    ))
+    clip = tiny_clip(TINY_SEED + 11, len(clip_tok), projection=False)
+    t5 = tiny_t5(TINY_SEED + 12, len(t5_tok))
 
     torch.manual_seed(TINY_SEED + 13)
     transformer = FluxTransformer2DModel(
@@ -58,24 +45,7 @@ def build_tiny_flux_components() -> dict:
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     )
 
-    torch.manual_seed(TINY_SEED + 14)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 16, 32, 32),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
-    )
-    make_decoder_faithful(vae)
+    vae = tiny_vae(TINY_SEED + 14, scaling_factor=0.3611, shift_factor=0.1159)
 
     # FLUX.1-dev's scheduler_config.json
     scheduler = FlowMatchEulerDiscreteScheduler(
@@ -83,7 +53,7 @@ def build_tiny_flux_components() -> dict:
         base_image_seq_len=256, max_image_seq_len=4096,
     )
 
-    components = {
+    return frozen({
         "transformer": transformer,
         "vae": vae,
         "text_encoder": clip,
@@ -91,11 +61,7 @@ def build_tiny_flux_components() -> dict:
         "text_encoder_2": t5,
         "tokenizer_2": t5_tok,
         "scheduler": scheduler,
-    }
-    for module in components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-    return components
+    })
 
 
 def build_tiny_flux_pipeline():

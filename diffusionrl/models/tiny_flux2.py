@@ -26,7 +26,7 @@ import re
 
 import torch
 
-from .tiny import TINY_SEED, make_decoder_faithful
+from .tiny import TINY_SEED, decoder_text_config, frozen, tiny_vae
 from .tiny_qwen_image import build_qwen_tokenizer
 
 TINY_FLUX2_REF = "builtin:tiny-flux2"
@@ -62,13 +62,9 @@ def build_tiny_flux2_components(klein: bool = False) -> dict:
     tok = build_zimage_tokenizer() if klein else build_flux2_tokenizer()
     torch.manual_seed(TINY_SEED + (44 if klein else 41))
     text_encoder = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0,
+        **decoder_text_config(len(tok), 16, 27, head_dim=8),
     )) if klein else Mistral3ForConditionalGeneration(Mistral3Config(
-        text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                         max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        text_config=dict(model_type="mistral", **decoder_text_config(len(tok), 16, 30, head_dim=8)),
         vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, head_dim=8, image_size=32, patch_size=16),
         spatial_merge_size=1, image_token_index=len(tok) - 1,
@@ -81,24 +77,15 @@ def build_tiny_flux2_components(klein: bool = False) -> dict:
         timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=not klein,
     )
 
-    torch.manual_seed(TINY_SEED + 43)
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(16, 16, 32, 32), layers_per_block=1, latent_channels=32, norm_num_groups=8,
-        sample_size=64, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False,
-    )
-    make_decoder_faithful(vae)
+    vae = tiny_vae(TINY_SEED + 43, AutoencoderKLFlux2, latent_channels=32)
 
     # FLUX.2 [dev]'s scheduler_config.json (the pipeline passes its empirical mu)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
-    components = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tok,
-                  "scheduler": scheduler}
-    for module in components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-    return components
+    return frozen({"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tok,
+                   "scheduler": scheduler})
 
 
 def build_tiny_flux2_pipeline():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny import TINY_SEED, WORDS
+from .tiny import TINY_SEED, WORDS, decoder_text_config, frozen
 
 TINY_QWEN_IMAGE_REF = "builtin:tiny-qwen-image"
 SPECIAL = ["<|im_start|>", "<|im_end|>"]  # the prompt template's markers: one token each
@@ -73,10 +73,7 @@ def build_tiny_qwen_image_components() -> dict:
     tok = build_qwen_tokenizer()
     torch.manual_seed(TINY_SEED + 21)
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        text_config=decoder_text_config(len(tok), 32, 2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0]),
     ))
@@ -94,12 +91,8 @@ def build_tiny_qwen_image_components() -> dict:
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
         base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
     )
-    components = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tok,
-                  "scheduler": scheduler}
-    for module in components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-    return components
+    return frozen({"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tok,
+                   "scheduler": scheduler})
 
 
 def build_tiny_qwen_image_pipeline():

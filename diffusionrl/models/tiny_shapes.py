@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .tiny import build_tokenizers
+from .tiny import build_tokenizers, tiny_clip, tiny_t5
 
 SHAPES_REF = "builtin:tiny-sd3-shapes"
 SHAPES_SEED = 20260601
@@ -41,21 +41,10 @@ TRAINED = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder
 
 def _modules(clip_vocab: int, t5_vocab: int) -> dict[str, torch.nn.Module]:
     from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    def clip_encoder(k: int):
-        torch.manual_seed(SHAPES_SEED + k)
-        return CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=clip_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=77, projection_dim=32, bos_token_id=0,
-            eos_token_id=1, pad_token_id=1, hidden_act="gelu"))
-
-    modules: dict[str, torch.nn.Module] = {"text_encoder": clip_encoder(1), "text_encoder_2": clip_encoder(2)}
-    torch.manual_seed(SHAPES_SEED + 3)
-    modules["text_encoder_3"] = T5EncoderModel(T5Config(
-        vocab_size=t5_vocab, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0,
-        eos_token_id=1, decoder_start_token_id=0))
+    modules: dict[str, torch.nn.Module] = {"text_encoder": tiny_clip(SHAPES_SEED + 1, clip_vocab),
+                                           "text_encoder_2": tiny_clip(SHAPES_SEED + 2, clip_vocab),
+                                           "text_encoder_3": tiny_t5(SHAPES_SEED + 3, t5_vocab)}
     torch.manual_seed(SHAPES_SEED + 4)
     modules["transformer"] = SD3Transformer2DModel(
         sample_size=SHAPES_RESOLUTION // VAE_FACTOR, patch_size=2, in_channels=LATENT_CHANNELS, num_layers=6,

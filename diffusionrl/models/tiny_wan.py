@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny import TINY_SEED, build_tokenizers
+from .tiny import TINY_SEED, build_tokenizers, frozen, tiny_t5
 
 TINY_WAN_REF = "builtin:tiny-wan"
 TINY_WAN22_REF = "builtin:tiny-wan22"
@@ -54,16 +54,9 @@ def build_tiny_wan_transformer():
 def build_tiny_wan_components() -> dict:
     """All components of a tiny Wan2.1 T2V pipeline, in eval mode, fp32, CPU."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
-    from transformers import UMT5Config, UMT5EncoderModel
 
     _, t5_tok = build_tokenizers()
-
-    torch.manual_seed(TINY_SEED + 21)
-    umt5 = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(t5_tok), d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0,
-        eos_token_id=1, decoder_start_token_id=0,
-    ))
+    umt5 = tiny_t5(TINY_SEED + 21, len(t5_tok), umt5=True)
 
     torch.manual_seed(TINY_SEED + 22)
     transformer = build_tiny_wan_transformer()
@@ -80,17 +73,13 @@ def build_tiny_wan_components() -> dict:
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 
-    components = {
+    return frozen({
         "transformer": transformer,
         "vae": vae,
         "text_encoder": umt5,
         "tokenizer": t5_tok,
         "scheduler": scheduler,
-    }
-    for module in components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-    return components
+    })
 
 
 def build_tiny_wan_pipeline():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiny import TINY_SEED, make_decoder_faithful
+from .tiny import TINY_SEED, decoder_text_config, frozen, tiny_vae
 from .tiny_qwen_image import build_qwen_tokenizer
 
 TINY_ZIMAGE_REF = "builtin:tiny-zimage"
@@ -37,16 +37,12 @@ def build_zimage_tokenizer():
 
 def build_tiny_zimage_components() -> dict:
     """All components of a tiny Z-Image pipeline, in eval mode, fp32, CPU."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
     tok = build_zimage_tokenizer()
     torch.manual_seed(TINY_SEED + 31)
-    text_encoder = Qwen3Model(Qwen3Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0,
-    ))
+    text_encoder = Qwen3Model(Qwen3Config(**decoder_text_config(len(tok), 32, 3, head_dim=16)))
 
     torch.manual_seed(TINY_SEED + 32)
     transformer = ZImageTransformer2DModel(
@@ -54,33 +50,12 @@ def build_tiny_zimage_components() -> dict:
         n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[256, 64, 64],
     )
 
-    torch.manual_seed(TINY_SEED + 33)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 16, 32, 32),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
-    )
-    make_decoder_faithful(vae)
+    vae = tiny_vae(TINY_SEED + 33, scaling_factor=0.3611, shift_factor=0.1159)
 
     # Z-Image-Turbo's scheduler_config.json: a static shift, no resolution-dependent one
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-    components = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tok,
-                  "scheduler": scheduler}
-    for module in components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-    return components
+    return frozen({"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tok,
+                   "scheduler": scheduler})
 
 
 def build_tiny_zimage_pipeline():

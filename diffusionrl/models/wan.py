@@ -26,8 +26,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusionrl.trajectory import Conditioning
-
 from .base import FlowAdapter
 from .tiny_wan import TINY_WAN22_REF, TINY_WAN_REF, build_tiny_wan22_pipeline, build_tiny_wan_pipeline
 
@@ -80,6 +78,10 @@ class WanAdapter(FlowAdapter):
     components = ("transformer", "transformer_2", "vae", "text_encoder")
     pipeline_logger = "diffusers.pipelines.wan.pipeline_wan"
     video = True
+    cfg_mode = "separate"  # as WanPipeline: a second forward on the negative text
+    # flow_grpo's scripts/train_wan2_1.py: the attention projections (as suffixes they match the
+    # self-attention attn1 and the cross-attention attn2 of every block; its add_* names are I2V-only).
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     experts: WanExperts | None = None  # Wan2.2's pair (set in __init__); None: one transformer
 
     def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
@@ -147,35 +149,10 @@ class WanAdapter(FlowAdapter):
     def _token_limits(self, max_sequence_length: int) -> list[tuple[object, int, str]]:
         return [(self.pipe.tokenizer, max_sequence_length, f"UMT5 model.max_sequence_length={max_sequence_length}")]
 
-    def velocity(
-        self,
-        transformer: torch.nn.Module,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """The (CFG) velocity ``[B, C, F', H, W]`` in float32: a positive and, when ``g > 1``, a negative forward."""
-        cfg = self.needs_negative(guidance_scale)
-        if cfg and cond.negative_prompt_embeds is None:
-            raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
-        b = latents.shape[0]
-        dtype = self.forward_dtype(transformer)
-        x = latents.to(self.device, dtype)
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
-        t = t.expand(b) if t.numel() == 1 else t
-
-        def forward(embeds: torch.Tensor) -> torch.Tensor:
-            with self.autocast():
-                out = transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, dtype),
-                                  return_dict=False)[0]
-            return out.float()
-
-        v = forward(cond.prompt_embeds)
-        if not cfg:
-            return v
-        v_neg = forward(cond.negative_prompt_embeds)
-        return v_neg + guidance_scale * (v - v_neg)
+    def _forward(self, transformer, x, t, side, guidance_scale, dtype) -> torch.Tensor:
+        """One forward (``WanExperts`` picks Wan2.2's expert of ``t``); ``[B, C, F', H, W]``."""
+        return transformer(hidden_states=x, timestep=t, encoder_hidden_states=side.embeds.to(self.device, dtype),
+                           return_dict=False)[0]
 
     # -- videos ---------------------------------------------------------------------------------
     def _mean_std(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusionrl.trajectory import Conditioning
-
 from .base import FlowAdapter
 from .packed import calculate_shift
 from .tiny_zimage import TINY_ZIMAGE_REF, build_tiny_zimage_pipeline
@@ -54,6 +52,10 @@ class ZImageAdapter(FlowAdapter):
     builtin = TINY_ZIMAGE_REF
     components = ("transformer", "vae", "text_encoder")
     pipeline_logger = "diffusers.pipelines.z_image.pipeline_z_image"
+    cfg_negative_first = False  # one forward of 2B, positive first, as ZImagePipeline
+    # Every block's (noise refiner, context refiner, joint) attention projections and SwiGLU feed-forward.
+    default_lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
     @staticmethod
     def build_tiny():
@@ -98,33 +100,9 @@ class ZImageAdapter(FlowAdapter):
         return [(self.pipe.tokenizer, max_sequence_length,
                  f"Qwen3 embeddings of the templated prompt cut to model.max_sequence_length={max_sequence_length}")]
 
-    def velocity(
-        self,
-        transformer: torch.nn.Module,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """CFG velocity (one forward of 2B where there is a CFG pass), float32 ``[B, C, H, W]``."""
-        cfg = self.needs_negative(guidance_scale)
-        if cfg and cond.negative_prompt_embeds is None:
-            raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
-        b = latents.shape[0]
-        dtype = self.forward_dtype(transformer)
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
-        t = (1000 - (t.expand(b) if t.numel() == 1 else t)) / 1000
-        x = list(latents.to(self.device, dtype).unsqueeze(2).unbind(0))
-        embeds = unpad_embeds(cond.prompt_embeds.to(self.device, dtype), cond.prompt_embeds_mask)
-        if cfg:
-            x = x + x
-            embeds = embeds + unpad_embeds(cond.negative_prompt_embeds.to(self.device, dtype),
-                                           cond.negative_prompt_embeds_mask)
-            t = t.repeat(2)
-        with self.autocast():
-            out = transformer(x, t, embeds, return_dict=False)[0]
-        v = -torch.stack([o.float() for o in out]).squeeze(2)
-        if cfg:
-            pos, neg = v[:b], v[b:]
-            v = neg + guidance_scale * (pos - neg)
-        return v
+    def _forward(self, transformer, x, t, side, guidance_scale, dtype) -> torch.Tensor:
+        """One forward on per-sample latents ``[C, 1, H, W]``, each prompt's real tokens and the time
+        ``1 - sigma``; the transformer predicts the negative velocity."""
+        embeds = unpad_embeds(side.embeds.to(self.device, dtype), side.mask)
+        out = transformer(list(x.unsqueeze(2).unbind(0)), (1000 - t) / 1000, embeds, return_dict=False)[0]
+        return -torch.stack([o.float() for o in out]).squeeze(2)

@@ -75,6 +75,14 @@ def probe_config(family: str, config: dict) -> dict:
     return spec.with_layers(tuple(min(2, n) for n in spec.layers(config)), base=config)
 
 
+def lora_suffixes(family: str, configured) -> list[str]:
+    """The LoRA target suffixes a config's ``model.lora_targets`` means for ``family`` (its adapter's
+    ``default_lora_targets`` where it lists none)."""
+    from diffusionrl.models.families import ADAPTERS
+
+    return {a.family: a for a in ADAPTERS}[family].lora_suffixes(configured)
+
+
 # -- the adapter's forward on a bare transformer --------------------------------------------------
 def stub_adapter(family: str, transformer: torch.nn.Module, amp: str, device: str | torch.device = "cpu"):
     """The family's adapter around ``transformer`` alone: its ``velocity`` is the one training runs."""

@@ -29,7 +29,7 @@ from diffusionrl.config import RANKED, objective
 
 from .archs import tokens
 from .facts import flops, lora_params, model_facts, reward_params
-from .measure import CACHE, cache_key, load_cache, measure_saved, predict_saved, stub_adapter
+from .measure import CACHE, cache_key, load_cache, lora_suffixes, measure_saved, predict_saved, stub_adapter
 
 GIB = 2**30
 FRAGMENTATION = 0.10  # of the tensor bytes: the caching allocator's blocks that a peak cannot reuse
@@ -74,23 +74,23 @@ class Plan:
         return self.peak <= self.gpu_memory
 
 
-def forward_batches(family: str, micro_batch: int, cfg_pass: bool) -> list[int]:
-    """The batches of the transformer forwards of one velocity: SD3 concatenates its CFG pass into
-    one forward of 2m; Qwen-Image and Wan run two forwards of m; FLUX has no CFG pass."""
+def forward_batches(cfg_mode: str, micro_batch: int, cfg_pass: bool) -> list[int]:
+    """The batches of the transformer forwards of one velocity, from the adapter's ``cfg_mode``: a
+    batched CFG pass is one forward of 2m (SD3, Z-Image), a separate one two of m (Qwen-Image, Wan)."""
     if not cfg_pass:
         return [micro_batch]
-    return [2 * micro_batch] if family == "sd3" else [micro_batch, micro_batch]
+    return [2 * micro_batch] if cfg_mode == "batched" else [micro_batch, micro_batch]
 
 
 def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict, str]:
     """The measured fit of ``cfg``'s model and precision (cached; measured now for a builtin)."""
     m = cfg.model
+    targets = lora_suffixes(family, m.lora_targets)
     key = cache_key(m.name, m.dtype, cfg.train.mixed_precision)
     if key in cache["saved"]:
         entry, note = cache["saved"][key], ""
     elif m.name.startswith("builtin:"):
-        entry, note = measure_saved(family, config, m.dtype, cfg.train.mixed_precision, m.lora_rank,
-                                    list(m.lora_targets)), ""
+        entry, note = measure_saved(family, config, m.dtype, cfg.train.mixed_precision, m.lora_rank, targets), ""
     else:
         same = [k for k in cache["saved"] if k.startswith(m.name + "|")]
         if not same:
@@ -101,7 +101,7 @@ def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict,
         note = f"activations scaled from the {same[0].split('|', 1)[1]} measurement by element size"
         ratio = BYTES[m.dtype] / BYTES[entry["weights_dtype"]]
         entry = dict(entry, coef={k: [c * ratio for c in v] for k, v in entry["coef"].items()})
-    if (entry["lora_rank"], entry["lora_targets"]) != (m.lora_rank, list(m.lora_targets)):
+    if (entry["lora_rank"], entry["lora_targets"]) != (m.lora_rank, targets):
         note = (note + "; " if note else "") + (
             f"activations measured with LoRA rank {entry['lora_rank']} on {len(entry['lora_targets'])} target "
             "suffixes, not this config's (each adapted layer saves rank x tokens more or less)")
@@ -136,11 +136,12 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     amp_b = wb if tc.mixed_precision == "no" else 2
     n_img, n_txt = tokens(family, config, s.resolution, s.num_frames, m.max_sequence_length, facts["vae_scale"],
                           facts["temporal_scale"])
-    cfg_pass = stub_adapter(family, None, "no").needs_negative(s.guidance_scale)
-    batches = forward_batches(family, mb, cfg_pass)
+    stub = stub_adapter(family, None, "no")
+    cfg_pass = stub.needs_negative(s.guidance_scale)
+    batches = forward_batches(stub.cfg_mode, mb, cfg_pass)
     side = s.resolution // facts["vae_scale"]
     frames = (s.num_frames - 1) // facts["temporal_scale"] + 1 if family == "wan" else 1
-    lora = lora_params(facts, list(m.lora_targets), m.lora_rank) * 4
+    lora = lora_params(facts, lora_suffixes(family, m.lora_targets), m.lora_rank) * 4
     holds_engine = W == 1 or (tc.placement == "colocate" and rank < tc.rollout_engines)
     weights = (facts["params"] + facts["buffers"]) * wb
 

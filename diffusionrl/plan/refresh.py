@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .archs import tokens
 from .facts import hub_facts, measure_flops, model_config, plannable
-from .measure import CACHE, cache_key, load_cache, measure_saved
+from .measure import CACHE, cache_key, load_cache, lora_suffixes, measure_saved
 
 # Hub models no preset uses yet, measured too: Qwen-Image in bf16 with flow_grpo's LoRA (r64, both streams).
 EXTRA = [("Qwen/Qwen-Image", "bfloat16", "bf16", 64,
@@ -34,7 +34,8 @@ def cached_entries() -> list[tuple]:
         m, s = cfg.model, cfg.sampling
         if not plannable(m.name):  # a family the planner has no figures for yet (check.check_fits says so)
             continue
-        entry = (m.name, m.dtype, cfg.train.mixed_precision, m.lora_rank, list(m.lora_targets), [])
+        targets = lora_suffixes(model_config(m.name)[0], m.lora_targets)
+        entry = (m.name, m.dtype, cfg.train.mixed_precision, m.lora_rank, targets, [])
         out.setdefault(cache_key(m.name, m.dtype, cfg.train.mixed_precision), entry)[5].append(
             (s.resolution, s.num_frames, m.max_sequence_length))
     out.update({cache_key(*e[:3]): e for e in EXTRA})

@@ -75,6 +75,8 @@ class ImageBackend:
     # -- identity --------------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
         """What a checkpoint must agree on to be resumed: the model and the objective."""
+        from diffusionrl.models.families import lora_suffixes
+
         cfg = self.cfg
         return {
             "model": cfg.model.name,
@@ -82,7 +84,7 @@ class ImageBackend:
             "algorithm": cfg.algorithm.name,
             "reward": dict(sorted(cfg.reward.weights.items())),
             "lora": {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha,
-                     "targets": list(cfg.model.lora_targets)},
+                     "targets": lora_suffixes(cfg.model)},
             "sde_type": self.rollout_sde_type,
         }
 

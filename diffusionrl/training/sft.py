@@ -150,6 +150,8 @@ class SFTBackend:
         return _NoEngine()
 
     def metadata(self) -> dict[str, Any]:
+        from diffusionrl.models.families import lora_suffixes
+
         cfg = self.cfg
         return {
             "model": cfg.model.name,
@@ -157,7 +159,7 @@ class SFTBackend:
             "algorithm": "sft",
             "sft_source": cfg.algorithm.sft_source,
             "lora": {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha,
-                     "targets": list(cfg.model.lora_targets)},
+                     "targets": lora_suffixes(cfg.model)},
         }
 
     def start(self) -> None:
