@@ -165,42 +165,70 @@ def judge(image: np.ndarray, spec: dict, detections: list[Detection] | None = No
     return score >= 1.0 - 1e-9, float(score)
 
 
-@register_reward("geneval_mini")
-class GenEvalMini(Reward):
-    """Strict partial-credit score of each image against its prompt's shapes-world spec."""
+class SceneJudge(Reward):
+    """A strict judge of shapes-world pictures, the frame that ``geneval_mini`` and ``shape_edit`` share:
+    each image is read by ``detect`` and judged against its row's metadata (``parse``) by ``judge_one``
+    -> ``(success, score, extra per-sample values)``; a sample that cannot be judged scores 0 and is
+    counted. ``per_sample`` carries ``success``, ``objects``, ``blobs`` and the subclass's ``extra``
+    columns; ``info`` the batch's ``accuracy``, ``objects_per_image``, ``blobs_per_image`` and
+    ``<extra>_rate``. ``rows`` names the rows it needs, for the data error of ``validate_prompts``."""
 
-    name = "geneval_mini"
+    rows = ""
+    extra: tuple[str, ...] = ()
 
     def __init__(self, reward_cfg=None):
         pass
+
+    @classmethod
+    def parse(cls, meta: dict):
+        raise NotImplementedError
+
+    def judge_one(self, image: np.ndarray, parsed, found: list[Detection]) -> tuple[bool, float, dict[str, float]]:
+        raise NotImplementedError
 
     @classmethod
     def validate_prompts(cls, prompts: Sequence[str], metadata: Sequence[dict] | None = None,
                          source: str = "prompts", locations: Sequence[str] | None = None) -> None:
         for i, meta in enumerate(metadata or [{}] * len(prompts)):
             try:
-                parse_spec(meta or {})
+                cls.parse(meta or {})
             except (ValueError, TypeError) as exc:
                 where = locations[i] if locations else f"{source} row {i + 1}"
-                raise ValueError(f"{where}: the geneval_mini reward needs shapes-world prompts "
-                                 f"(data.source=builtin:shapes): {exc} ({prompts[i][:60]!r})") from exc
+                raise ValueError(f"{where}: the {cls.name} reward needs {cls.rows}: {exc} "
+                                 f"({prompts[i][:60]!r})") from exc
 
     def __call__(self, images, prompts, metadata) -> RewardResult:
         n = len(prompts)
-        scores, success = np.zeros(n, np.float32), np.zeros(n, np.float32)
-        objects, blobs = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        scores = np.zeros(n, np.float32)
+        columns = {k: np.zeros(n, np.float32) for k in ("success", "objects", "blobs", *self.extra)}
         failures = 0
         for i, (image, meta) in enumerate(zip(images, metadata)):
             try:
                 found = detect(image)
-                ok, scores[i] = judge(image, parse_spec(meta), found)
-                success[i] = float(ok)
-                objects[i] = len(found)
-                blobs[i] = sum(d.shape == BLOB for d in found)
+                ok, scores[i], more = self.judge_one(np.asarray(image), self.parse(meta), found)
+                columns["success"][i], columns["objects"][i] = float(ok), len(found)
+                columns["blobs"][i] = sum(d.shape == BLOB for d in found)
+                for k in self.extra:
+                    columns[k][i] = float(more[k])
             except Exception:  # a sample that cannot be judged scores 0 and is counted
                 failures += 1
-        info = {"accuracy": float(success.mean()) if n else 0.0,
-                "objects_per_image": float(objects.mean()) if n else 0.0,
-                "blobs_per_image": float(blobs.mean()) if n else 0.0}
-        return RewardResult(scores, failures, info,
-                            per_sample={"success": success, "objects": objects, "blobs": blobs})
+        mean = {k: float(v.mean()) if n else 0.0 for k, v in columns.items()}
+        info = {"accuracy": mean["success"], "objects_per_image": mean["objects"], "blobs_per_image": mean["blobs"],
+                **{f"{k}_rate": mean[k] for k in self.extra}}
+        return RewardResult(scores, failures, info, per_sample=columns)
+
+
+@register_reward("geneval_mini")
+class GenEvalMini(SceneJudge):
+    """Strict partial-credit score of each image against its prompt's shapes-world spec."""
+
+    name = "geneval_mini"
+    rows = "shapes-world prompts (data.source=builtin:shapes)"
+
+    @classmethod
+    def parse(cls, meta: dict) -> dict:
+        return parse_spec(meta)
+
+    def judge_one(self, image, spec, found):
+        ok, score = judge(image, spec, found)
+        return ok, score, {}

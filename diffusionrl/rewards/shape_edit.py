@@ -25,14 +25,13 @@ the edit leaves alone is found right and in place), ``objects`` and ``blobs``; `
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
 import numpy as np
 
 from diffusionrl.data.shapes import object_box, relations
 
-from .base import Reward, RewardResult, register_reward
-from .geneval_mini import BLOB, Detection, detect
+from .base import register_reward
+from .geneval_mini import Detection, SceneJudge, detect
 
 PLACE_TOLERANCE = 0.08  # of the image side: how far an unmoved object's box centre may drift
 SIZE_TOLERANCE = 1.35  # how much an unmoved object's box width or height may grow or shrink
@@ -97,41 +96,18 @@ def judge_edit(image: np.ndarray, target: dict, detections: list[Detection] | No
 
 
 @register_reward("shape_edit")
-class ShapeEdit(Reward):
+class ShapeEdit(SceneJudge):
     """Strict partial-credit score of each edited image against its row's expected target scene."""
 
     name = "shape_edit"
-
-    def __init__(self, reward_cfg=None):
-        pass
+    rows = "shape-edit rows with source and target scenes (data.source=builtin:shape-edits)"
+    extra = ("unchanged",)
 
     @classmethod
-    def validate_prompts(cls, prompts: Sequence[str], metadata: Sequence[dict] | None = None,
-                         source: str = "prompts", locations: Sequence[str] | None = None) -> None:
-        for i, meta in enumerate(metadata or [{}] * len(prompts)):
-            try:
-                parse_scene(meta or {}, "source")
-                parse_scene(meta or {}, "target")
-            except (ValueError, TypeError) as exc:
-                where = locations[i] if locations else f"{source} row {i + 1}"
-                raise ValueError(f"{where}: the shape_edit reward needs shape-edit rows with source and target "
-                                 f"scenes (data.source=builtin:shape-edits): {exc} ({prompts[i][:60]!r})") from exc
+    def parse(cls, meta: dict) -> dict:
+        parse_scene(meta, "source")
+        return parse_scene(meta, "target")
 
-    def __call__(self, images, prompts, metadata) -> RewardResult:
-        n = len(prompts)
-        scores, success, unchanged = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
-        objects, blobs = np.zeros(n, np.float32), np.zeros(n, np.float32)
-        failures = 0
-        for i, (image, meta) in enumerate(zip(images, metadata)):
-            try:
-                found = detect(image)
-                ok, scores[i], same = judge_edit(np.asarray(image), parse_scene(meta, "target"), found)
-                success[i], unchanged[i] = float(ok), float(same)
-                objects[i], blobs[i] = len(found), sum(d.shape == BLOB for d in found)
-            except Exception:  # a sample that cannot be judged scores 0 and is counted
-                failures += 1
-        info = {"accuracy": float(success.mean()) if n else 0.0,
-                "unchanged_rate": float(unchanged.mean()) if n else 0.0,
-                "blobs_per_image": float(blobs.mean()) if n else 0.0}
-        return RewardResult(scores, failures, info,
-                            per_sample={"success": success, "unchanged": unchanged, "objects": objects, "blobs": blobs})
+    def judge_one(self, image, target, found):
+        ok, score, unchanged = judge_edit(image, target, found)
+        return ok, score, {"unchanged": unchanged}
