@@ -27,15 +27,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
 import re
+import typing
 from dataclasses import field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, TypeAdapter, ValidationError
 
 from diffusionrl.errors import UserError
 
@@ -257,6 +260,7 @@ def _build(cls: type, data: dict[str, Any], where: str, prefix: str, sections: d
     by_name = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     sections = sections or {}
+    hints = typing.get_type_hints(cls)
     for key, value in data.items():
         if key not in known:
             raise unknown_key_error(key, known, f"{where}.{prefix}" if prefix else where)
@@ -265,54 +269,54 @@ def _build(cls: type, data: dict[str, Any], where: str, prefix: str, sections: d
             kwargs[key] = _build(sections[key], value, where, dotted)
         else:
             f = by_name[key]
-            kwargs[key] = _coerce(value, str(f.type), dotted, f.metadata.get("allow_inf", False))
+            kwargs[key] = _coerce(value, hints[key], dotted, f.metadata.get("allow_inf", False))
     try:
         return cls(**kwargs)
     except TypeError as exc:  # pragma: no cover - defensive, names are checked above
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-_SCALARS = {"int": int, "bool": bool, "str": str, "float": float}
+def _numeric(value: Any) -> Any:
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
 
 
-def _coerce(value: Any, type_name: str, key: str, allow_inf: bool = False) -> Any:
-    """Check a leaf against its annotation: ``float`` also takes ints and numeric strings like
-    YAML's ``3e-4`` and must be finite (unless ``allow_inf``; NaN never), ``int`` takes integral
-    floats (JSON from the Flyte console has no ints); the items of ``list[X]`` and the values of
-    ``dict[str, X]`` are checked as ``X``. Errors name the dotted ``key``."""
-    base, _, inner = str(type_name).partition("[")
-    base = base.strip()
-    if base == "list" and isinstance(value, list):
-        item = inner.rstrip("]").strip()
-        return [_coerce(v, item, f"{key}[{i}]", allow_inf) if item in _SCALARS else v for i, v in enumerate(value)]
-    if base == "dict" and isinstance(value, dict):
-        item = inner.rstrip("]").rpartition(",")[2].strip()
-        if item in _SCALARS:
-            bad = [k for k in value if not isinstance(k, str)]
-            if bad:
-                raise ConfigError(f"{key} keys must be strings, got {bad[0]!r}")
-            return {k: _coerce(v, item, f"{key}.{k}", allow_inf) for k, v in value.items()}
-        return value
-    if base == "float":
-        number: Any = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        _check_finite(number, key, {"allow_inf": allow_inf})
-        return number
-    if base == "int" and isinstance(value, float) and value.is_integer():
-        return int(value)
-    expected = {"int": int, "bool": bool, "str": str, "list": list, "dict": dict}.get(base)
-    if expected is None:
-        return value
-    if expected is int and isinstance(value, bool) or not isinstance(value, expected):
-        raise ConfigError(f"{key} must be of type {type_name}, got {value!r}")
+# The two leniencies of a strict check: JSON from the Flyte console has no ints (an integral float
+# is an int), YAML 1.1 reads 3e-4 as a string (a numeric string is a float).
+_LENIENT = {int: Annotated[int, BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)],
+            float: Annotated[float, BeforeValidator(_numeric)]}
+
+
+def _lenient(tp: Any) -> Any:
+    """``tp`` with the leniencies applied to its ints and floats, list items and dict values too."""
+    args = typing.get_args(tp)
+    return typing.get_origin(tp)[tuple(map(_lenient, args))] if args else _LENIENT.get(tp, tp)
+
+
+@functools.cache
+def _adapter(tp: Any) -> TypeAdapter:
+    return TypeAdapter(_lenient(tp), config=ConfigDict(strict=True))
+
+
+def _coerce(value: Any, tp: Any, key: str, allow_inf: bool = False) -> Any:
+    """Check a leaf against its type hint with pydantic, strictly (no bool for a number, no number
+    for a str) but for ``_LENIENT``; numbers must be finite (unless ``allow_inf``; NaN never). The
+    one-line error names the dotted ``key`` (``key[i]``, ``key.k`` for a list item, a dict value)."""
+    try:
+        value = _adapter(tp).validate_python(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [part for part in err["loc"] if part != "[key]"]
+        where = key + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+        if "[key]" in err["loc"]:
+            raise ConfigError(f"{key} keys must be strings, got {err['input']!r}") from None
+        for _ in loc:  # the type of the item or value that failed
+            tp = typing.get_args(tp)[-1]
+        what = "a number" if tp is float else f"of type {tp.__name__ if isinstance(tp, type) else tp}"
+        raise ConfigError(f"{where} must be {what}, got {err['input']!r}") from None
+    _check_finite(value, key, {"allow_inf": allow_inf})
     return value
 
 
