@@ -31,8 +31,7 @@ from .tree import (
     ConfigError,
     ConfigTree,
     apply_overrides,
-    check_choice,
-    check_positive,
+    check_constraints,
     lookup_preset,
     option,
     read_config_file,
@@ -41,6 +40,6 @@ from .tree import (
 __all__ = [
     "ALGORITHMS", "PRESETS", "SD3_LORA_TARGETS", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree",
     "DataConfig", "EvalConfig", "ModelConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
-    "apply_overrides", "check_choice", "check_positive", "describe", "dump_preset", "get_preset", "load_config",
-    "lookup_preset", "main", "option", "read_config_file", "resolved_kl_space",
+    "apply_overrides", "check_constraints", "describe", "dump_preset",
+    "get_preset", "load_config", "lookup_preset", "main", "option", "read_config_file", "resolved_kl_space",
 ]

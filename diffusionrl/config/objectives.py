@@ -9,8 +9,11 @@ that the schema file stays small. The maths of each objective is in ``docs/algor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from .tree import ConfigError, check_choice, check_positive, option
+from pydantic import NonNegativeFloat, PositiveFloat
+
+from .tree import ConfigError, option
 
 # algorithm.name -> objective (training/objective.py OBJECTIVES holds the classes)
 ALGORITHMS = ("flow_grpo", "nft", "grpo_guard", "dppo", "awm", "dpo", "sft")
@@ -22,7 +25,7 @@ EXACT_SDE_TYPES = ("sde", "dance")
 
 @dataclass
 class ObjectiveOptions:
-    kl_space: str = option(
+    kl_space: Literal["auto", "x", "v"] = option(
         "auto", "Space of the KL to the reference (weight kl_beta): x = the step Gaussians' term of section 5 "
         "(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for flow_grpo/grpo_guard/dppo, v otherwise"
     )
@@ -30,20 +33,20 @@ class ObjectiveOptions:
         True, "GRPO-Guard RatioNorm: ratio = exp(step_std * (log_ratio + |mean - mean_old|^2 / (2 step_std^2)))"
     )
     guard_reweight: bool = option(True, "GRPO-Guard gradient reweighting: each step's policy loss divided by |dt|")
-    dppo_kl_threshold: float = option(
+    dppo_kl_threshold: NonNegativeFloat = option(
         1e-6, "Flow-DPPO trust region: a pair whose KL(current || old) > this and whose ratio moved in the "
         "direction of its advantage is masked out of the gradient"
     )
-    dppo_kl_space: str = option(
+    dppo_kl_space: Literal["x", "v"] = option(
         "x", "Flow-DPPO trust-region divergence: x = exact KL of the step Gaussians (mean over elements) | "
         "v = mean |v - v_old|^2"
     )
-    dpo_beta: float = option(
+    dpo_beta: PositiveFloat = option(
         5000.0, "Online Diffusion-DPO temperature beta on the per-element-mean error (Diffusion-DPO's SD1.5 value, "
         "with a full fine-tune at lr ~2e-5); the margin moves by ~beta/2 * lr per Adam step, so keep beta * "
         "learning_rate <~ 0.1 or the sigmoid saturates after a step and nothing is learned (tiny-cpu-dpo: 5 at lr 1e-2)"
     )
-    dpo_pairs: str = option(
+    dpo_pairs: Literal["best_worst", "all"] = option(
         "best_worst", "Online Diffusion-DPO pairs per prompt group: best_worst (highest vs lowest reward) | all "
         "(every positive-advantage sample vs every negative-advantage one)"
     )
@@ -59,11 +62,6 @@ class ObjectiveOptions:
     )
 
     def check_objective_options(self) -> None:
-        check_choice("algorithm", "kl_space", self.kl_space, ("auto", "x", "v"))
-        check_choice("algorithm", "dppo_kl_space", self.dppo_kl_space, ("x", "v"))
-        check_choice("algorithm", "dpo_pairs", self.dpo_pairs, ("best_worst", "all"))
-        check_positive("algorithm", "dppo_kl_threshold", self.dppo_kl_threshold, allow_zero=True)
-        check_positive("algorithm", "dpo_beta", self.dpo_beta)
         name = getattr(self, "name", "")
         if name == "sft" and not self.sft_source.strip():
             raise ConfigError("algorithm.name=sft needs algorithm.sft_source (a folder, a .parquet or builtin:shapes)")

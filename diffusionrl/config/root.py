@@ -39,6 +39,7 @@ from .tree import (
     ConfigError,
     ConfigTree,
     apply_overrides,
+    check_constraints,
     option,
     read_config_file,
 )
@@ -57,7 +58,7 @@ class Config(ConfigTree):
     preset: str = option("tiny-cpu", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
-        self.check_numbers()
+        check_constraints(self, "")
         if self.algorithm.name == "flow_grpo" and self.sampling.sde_type == "ode":
             raise ConfigError(
                 "algorithm.name=flow_grpo needs stochastic rollouts: set sampling.sde_type to sde, cps or dance "
