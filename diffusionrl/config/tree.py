@@ -268,7 +268,7 @@ _LENIENT = {tp: Annotated[tp, BeforeValidator(f)] for tp, f in _LENIENCY.items()
 def _lenient(tp: Any) -> Any:
     """``tp`` with the leniencies applied to its ints and floats, list items and dict values too."""
     args = typing.get_args(tp)
-    return typing.get_origin(tp)[tuple(map(_lenient, args))] if args else _LENIENT.get(tp, tp)
+    return typing.get_origin(tp)[tuple(map(_lenient, args))] if args else _LENIENT[tp] if tp in (int, float) else tp
 
 
 _hints = functools.cache(lambda cls: typing.get_type_hints(cls, include_extras=True))
