@@ -6,6 +6,7 @@ checks. ``diffusionrl.config.Config`` assembles them and checks what spans secti
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,7 +16,6 @@ from .objectives import ALGORITHMS, SDE_OBJECTIVES, objective, option_classes
 from .tree import (
     ConfigError,
     check_constraints,
-    check_device,
     option,
 )
 
@@ -47,7 +47,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_constraints(self, "model")
-        check_device("model", "device", self.device)
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"model.device={self.device!r} is not a device: use auto, cpu, cuda or cuda:N")
 
 
 @dataclass
@@ -351,6 +352,7 @@ class DataConfig:
     seed: int = option(0, "Seed of the generator and the train/test split")
 
     def __post_init__(self) -> None:
+        check_constraints(self, "data")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"data.test_fraction={self.test_fraction} must be in (0, 1)")
         if self.source.startswith("builtin:") and self.num_prompts < 2:

@@ -34,7 +34,6 @@ import functools
 import hashlib
 import json
 import math
-import re
 import typing
 from dataclasses import field, fields
 from pathlib import Path
@@ -50,7 +49,6 @@ __all__ = [
     "ConfigTree",
     "apply_overrides",
     "check_constraints",
-    "check_device",
     "lookup_preset",
     "option",
     "read_config_file",
@@ -74,12 +72,6 @@ def option(default: Any, help: str, allow_inf: bool = False, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata, **kw)
     return field(default=default, metadata=metadata, **kw)
-
-
-def check_device(section: str, name: str, value: Any) -> None:
-    """Reject ``section.name=value`` unless it is a device the models take: auto, cpu, cuda, cuda:N."""
-    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-        raise ConfigError(f"{section}.{name}={value!r} is not a device: use auto, cpu, cuda or cuda:N")
 
 
 def unknown_key_error(key: str, known: list[str], where: str) -> ConfigError:
@@ -232,24 +224,17 @@ def _build(cls: type, data: dict[str, Any], where: str, prefix: str, sections: d
     ``cls`` in the tree ('' at the root), which value errors name."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or where} must be a mapping, got {type(data).__name__}")
-    known = [f.name for f in fields(cls)]
-    by_name = {f.name: f for f in fields(cls)}
+    by_name, hints, sections = {f.name: f for f in fields(cls)}, _hints(cls), sections or {}
     kwargs: dict[str, Any] = {}
-    sections = sections or {}
-    hints = _hints(cls)
     for key, value in data.items():
-        if key not in known:
-            raise unknown_key_error(key, known, f"{where}.{prefix}" if prefix else where)
+        if key not in by_name:
+            raise unknown_key_error(key, list(by_name), f"{where}.{prefix}" if prefix else where)
         dotted = f"{prefix}.{key}" if prefix else key
         if key in sections:
             kwargs[key] = _build(sections[key], value, where, dotted)
         else:
-            f = by_name[key]
-            kwargs[key] = _coerce(value, hints[key], dotted, f.metadata.get("allow_inf", False))
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # pragma: no cover - defensive, names are checked above
-        raise ConfigError(f"{where}: {exc}") from exc
+            kwargs[key] = _coerce(value, hints[key], dotted, by_name[key].metadata.get("allow_inf", False))
+    return cls(**kwargs)
 
 
 def _numeric(value: Any) -> Any:
@@ -312,19 +297,17 @@ def _one_line(exc: ValidationError, tp: Any, key: str, allow_inf: bool, coerced:
     """The first error of ``exc`` (checking a leaf of type ``tp``) in this module's words; a number is
     shown as the leniencies make it when the value came from a dict (``coerced``), else as given."""
     err = exc.errors()[0]
-    value, kind = err["input"], err["type"]
-    loc = [part for part in err["loc"] if part != "[key]"]
-    where = key + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
-    if "[key]" in err["loc"]:
+    value, kind, loc = err["input"], err["type"], err["loc"]
+    if "[key]" in loc:
         return ConfigError(f"{key} keys must be strings, got {value!r}")
+    where = key + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
     for _ in loc:  # the type of the item or value that failed
         tp = typing.get_args(tp)[-1]
     base = typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
     if coerced:
         value = _LENIENCY.get(base, lambda v: v)(value)
-    if kind in ("greater_than", "greater_than_equal"):
-        if isinstance(value, float) and (math.isnan(value) or math.isinf(value) and not allow_inf):
-            return ConfigError(f"{where}={value!r} must be a finite number")
+    if kind in ("greater_than", "greater_than_equal"):  # NaN, -inf fail the bound: said to be not finite
+        _check_finite(value, where, {"allow_inf": allow_inf})
         bound = f"> {err['ctx']['gt']}" if kind == "greater_than" else f">= {err['ctx']['ge']}"
         return ConfigError(f"{where}={value!r} must be {bound}")
     if kind == "literal_error" and isinstance(value, str):
