@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from diffusionrl.config import PRESETS, Config, ConfigError, get_preset, load_config
+from diffusionrl.config import ALGORITHMS, PRESETS, Config, ConfigError, get_preset, load_config
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -105,6 +105,40 @@ def test_inf_only_where_a_key_allows_it_and_direct_trees_are_checked_too():
         Config(algorithm=AlgorithmConfig(kl_beta=float("nan")))
     with pytest.raises(ConfigError, match=r"^train.learning_rate=inf must be a finite number$"):
         Config(train=TrainConfig(learning_rate=float("inf")))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.lora_rank=0", "model.lora_rank=0 must be > 0"),
+    ("eval.num_prompts=-1", "eval.num_prompts=-1 must be >= 0"),
+    ("tracking.max_artifact_mb=-.inf", "tracking.max_artifact_mb=-inf must be >= 0"),  # inf allowed, the bound holds
+    ("train.mixed_precision=fp8", "train.mixed_precision='fp8' is not one of ['no', 'fp16', 'bf16']"),
+    ("algorithm.dpo_pairs=some", "algorithm.dpo_pairs='some' is not one of ['best_worst', 'all']"),  # an objective's
+    ("algorithm.dppo_kl_threshold=-0.5", "algorithm.dppo_kl_threshold=-0.5 must be >= 0"),
+    ("model.lora_init=true", "model.lora_init must be of type str, got True"),  # YAML's true is no 'true'
+    ("train.steps=2.5", "train.steps must be of type int, got 2.5"),
+])
+def test_choices_and_bounds_in_the_type_hints_are_one_line_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert str(err.value) == message
+
+
+def test_a_tree_built_in_python_is_held_to_its_type_hints():
+    import math
+
+    from diffusionrl.config import AlgorithmConfig, DataConfig, ModelConfig, TrainConfig
+
+    cases = [
+        (lambda: ModelConfig(lora_rank=0), "model.lora_rank=0 must be > 0"),
+        (lambda: AlgorithmConfig(dppo_kl_space="y"), "algorithm.dppo_kl_space='y' is not one of ['x', 'v']"),
+        (lambda: AlgorithmConfig(name="ppo"), "algorithm.name='ppo' is not one of " + str(list(ALGORITHMS))),
+        (lambda: TrainConfig(steps=2.5), "train.steps must be of type int, got 2.5"),
+        (lambda: Config(data=DataConfig(seed=math.nan)), "data.seed=nan must be a finite number"),
+    ]
+    for build, message in cases:
+        with pytest.raises(ConfigError) as err:
+            build()
+        assert str(err.value) == message
 
 
 def test_a_partial_tree_is_laid_over_its_preset_not_over_bare_defaults():

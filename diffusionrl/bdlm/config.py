@@ -11,15 +11,16 @@ as a Flyte dataclass input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from diffusionrl.config import (
     ConfigError,
     ConfigTree,
     TrackingConfig,
     apply_overrides,
-    check_choice,
-    check_positive,
+    check_constraints,
     lookup_preset,
     option,
 )
@@ -33,35 +34,38 @@ class BDLMModelConfig:
     name: str = option("builtin:tiny-bdlm", "Model: 'builtin:tiny-bdlm' or 'builtin:tiny-diffusiongemma' (built in "
                        "code), a saved model folder, or a DiffusionGemma hub id")
     revision: str = option("", "Hub revision (branch, tag or commit) of a hub model; empty for the default branch")
-    dim: int = option(96, "builtin: hidden size")
-    layers: int = option(3, "builtin: transformer blocks")
-    heads: int = option(4, "builtin: attention heads (must divide dim)")
-    ff_dim: int = option(256, "builtin: feed-forward hidden size")
-    max_length: int = option(32, "builtin: longest canvas (prompt region + gen_length) the position table holds")
+    dim: PositiveInt = option(96, "builtin: hidden size")
+    layers: PositiveInt = option(3, "builtin: transformer blocks")
+    heads: PositiveInt = option(4, "builtin: attention heads (must divide dim)")
+    ff_dim: PositiveInt = option(256, "builtin: feed-forward hidden size")
+    max_length: PositiveInt = option(
+        32, "builtin: longest canvas (prompt region + gen_length) the position table holds"
+    )
     init_seed: int = option(0, "builtin: seed of the random initial weights")
-    num_experts: int = option(4, "builtin:tiny-diffusiongemma: MoE experts per layer (every layer has an MoE block "
-                              "beside its dense MLP; 2 are active per token)")
-    gen_length: int = option(8, "Generated tokens per sample (answer + EOS + EOS padding)")
-    block_size: int = option(4, "Semi-autoregressive block: positions decoded before the next block opens")
-    temperature: float = option(1.0, "Rollout proposal temperature T in softmax(logits / T)")
+    num_experts: PositiveInt = option(
+        4, "builtin:tiny-diffusiongemma: MoE experts per layer (every layer has an MoE block "
+        "beside its dense MLP; 2 are active per token)"
+    )
+    gen_length: PositiveInt = option(8, "Generated tokens per sample (answer + EOS + EOS padding)")
+    block_size: PositiveInt = option(4, "Semi-autoregressive block: positions decoded before the next block opens")
+    temperature: PositiveFloat = option(1.0, "Rollout proposal temperature T in softmax(logits / T)")
     threshold: float = option(0.9, "Commit every position whose confidence (max prob) >= threshold")
-    steps_per_block: int = option(4, "DiffusionGemma: denoising steps per canvas (the pipeline's num_inference_steps)")
+    steps_per_block: PositiveInt = option(
+        4, "DiffusionGemma: denoising steps per canvas (the pipeline's num_inference_steps)"
+    )
     editing_threshold: float = option(
         0.0, "DiffusionGemma: re-sample an already committed token when the new one's prob > this (0: no editing)")
-    max_post_steps: int = option(4, "LLaDA2: extra editing steps per block once it has no MASK left")
-    hub_family: str = option("diffusiongemma", "A hub model.name's family: diffusiongemma | llada2")
+    max_post_steps: NonNegativeInt = option(4, "LLaDA2: extra editing steps per block once it has no MASK left")
+    hub_family: Literal["diffusiongemma", "llada2"] = option(
+        "diffusiongemma", "A hub model.name's family: diffusiongemma | llada2"
+    )
     confidence_threshold: float = option(
         0.0, "DiffusionGemma: the pipeline's adaptive early stop (0: off; the replay does not cover it)")
     scheduler: str = option("block_refinement", "DiffusionGemma: the pipeline's scheduler (block_refinement; "
                             "discrete_ddim and entropy_bound are not replayable)")
 
     def __post_init__(self) -> None:
-        for name in ("dim", "layers", "heads", "ff_dim", "max_length", "gen_length", "block_size", "steps_per_block",
-                     "num_experts"):
-            check_positive("model", name, getattr(self, name))
-        check_positive("model", "temperature", self.temperature)
-        check_positive("model", "max_post_steps", self.max_post_steps, allow_zero=True)
-        check_choice("model", "hub_family", self.hub_family, ("diffusiongemma", "llada2"))
+        check_constraints(self, "model")
         if self.dim % self.heads:
             raise ConfigError(
                 f"model.heads={self.heads} does not divide model.dim={self.dim}; use heads=4 or dim={self.heads * 32}"
@@ -77,22 +81,18 @@ class BDLMModelConfig:
 
 @dataclass
 class TaskConfig:
-    kind: str = option("sort", "Digit task: reverse | sort | add (two operands)")
-    min_len: int = option(3, "Shortest digit string (per operand for add)")
+    kind: Literal[TASK_KINDS] = option("sort", "Digit task: reverse | sort | add (two operands)")
+    min_len: PositiveInt = option(3, "Shortest digit string (per operand for add)")
     max_len: int = option(6, "Longest digit string (per operand for add)")
-    num_train: int = option(4000, "Distinct training prompts generated")
-    num_test: int = option(200, "Distinct held-out prompts (disjoint from train)")
+    num_train: PositiveInt = option(4000, "Distinct training prompts generated")
+    num_test: PositiveInt = option(200, "Distinct held-out prompts (disjoint from train)")
     seed: int = option(0, "Seed of the generator and the split")
-    partial_weight: float = option(0.5, "Reward = exact match + partial_weight * share of correct positions")
+    partial_weight: NonNegativeFloat = option(0.5, "Reward = exact match + partial_weight * share of correct positions")
 
     def __post_init__(self) -> None:
-        check_choice("task", "kind", self.kind, TASK_KINDS)
-        check_positive("task", "min_len", self.min_len)
+        check_constraints(self, "task")
         if self.max_len < self.min_len:
             raise ConfigError(f"task.max_len={self.max_len} < task.min_len={self.min_len}")
-        check_positive("task", "num_train", self.num_train)
-        check_positive("task", "num_test", self.num_test)
-        check_positive("task", "partial_weight", self.partial_weight, allow_zero=True)
 
     @property
     def prompt_length(self) -> int:
@@ -106,38 +106,44 @@ class TaskConfig:
 
 @dataclass
 class WarmStartConfig:
-    steps: int = option(150, "Masked-diffusion supervised steps before GRPO")
-    lr: float = option(3e-3, "AdamW learning rate")
-    batch_size: int = option(64, "Sequences per step")
+    steps: NonNegativeInt = option(150, "Masked-diffusion supervised steps before GRPO")
+    lr: PositiveFloat = option(3e-3, "AdamW learning rate")
+    batch_size: PositiveInt = option(64, "Sequences per step")
     weight_decay: float = option(0.0, "AdamW weight decay")
     seed: int = option(0, "Seed of batches and mask ratios")
 
     def __post_init__(self) -> None:
-        check_positive("warm_start", "steps", self.steps, allow_zero=True)
-        check_positive("warm_start", "lr", self.lr)
-        check_positive("warm_start", "batch_size", self.batch_size)
+        check_constraints(self, "warm_start")
 
 
 @dataclass
 class GRPOConfig:
-    objective: str = option("grpo", "grpo | dapo (clip-higher, dynamic sampling) | dr_grpo (no std or length "
-                            "normalisation) | opd (on-policy distillation from grpo.teacher); docs/bdlm.md")
-    steps: int = option(60, "RL steps (rollout + update)")
-    prompts_per_step: int = option(16, "Distinct prompts (groups) per step")
-    group_size: int = option(8, "Samples per prompt k")
-    micro_batch_size: int = option(32, "Rows per forward; rollout and replay use the same composition")
-    inner_iterations: int = option(2, "Optimizer steps per rollout batch (old policy = start-of-step snapshot)")
-    clip_range: float = option(0.2, "PPO ratio clip epsilon (per-token log-probs, hence the usual 0.2)")
-    clip_range_high: float = option(0.0, "dapo: upper clip epsilon (clip-higher, e.g. 0.28); 0 uses clip_range")
+    objective: Literal[OBJECTIVE_NAMES] = option(
+        "grpo", "grpo | dapo (clip-higher, dynamic sampling) | dr_grpo (no std or length "
+        "normalisation) | opd (on-policy distillation from grpo.teacher); docs/bdlm.md"
+    )
+    steps: PositiveInt = option(60, "RL steps (rollout + update)")
+    prompts_per_step: PositiveInt = option(16, "Distinct prompts (groups) per step")
+    group_size: PositiveInt = option(8, "Samples per prompt k")
+    micro_batch_size: PositiveInt = option(32, "Rows per forward; rollout and replay use the same composition")
+    inner_iterations: PositiveInt = option(2, "Optimizer steps per rollout batch (old policy = start-of-step snapshot)")
+    clip_range: PositiveFloat = option(0.2, "PPO ratio clip epsilon (per-token log-probs, hence the usual 0.2)")
+    clip_range_high: NonNegativeFloat = option(
+        0.0, "dapo: upper clip epsilon (clip-higher, e.g. 0.28); 0 uses clip_range"
+    )
     teacher: str = option("", "opd: the teacher's model folder (same model kind as the student; never updated)")
-    opd_temperature: float = option(1.0, "opd: distillation temperature tau of the forward KL (scaled by tau^2)")
-    opd_hard_ce: float = option(0.0, "opd: weight of the hard CE on the teacher's argmax token (0: KL only)")
-    kl_beta: float = option(0.01, "Weight of the exact categorical KL to the reference (0 skips the reference pass)")
-    adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
+    opd_temperature: PositiveFloat = option(
+        1.0, "opd: distillation temperature tau of the forward KL (scaled by tau^2)"
+    )
+    opd_hard_ce: NonNegativeFloat = option(0.0, "opd: weight of the hard CE on the teacher's argmax token (0: KL only)")
+    kl_beta: NonNegativeFloat = option(
+        0.01, "Weight of the exact categorical KL to the reference (0 skips the reference pass)"
+    )
+    adv_clip_max: PositiveFloat = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
     global_std: bool = option(False, "Normalise advantages by the batch std instead of the group std")
-    lr: float = option(2e-4, "AdamW learning rate")
+    lr: PositiveFloat = option(2e-4, "AdamW learning rate")
     weight_decay: float = option(0.0, "AdamW weight decay")
-    max_grad_norm: float = option(1.0, "Gradient clipping norm (0 disables)")
+    max_grad_norm: NonNegativeFloat = option(1.0, "Gradient clipping norm (0 disables)")
     seed: int = option(0, "Seed of prompts and sample seeds")
     checkpoint_every: int = option(10, "Save a resumable checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = option(2, "How many recent checkpoints to keep")
@@ -145,17 +151,7 @@ class GRPOConfig:
     sequence_packing: bool = option(False, "Pack several sequences per row (not supported: replay needs one per row)")
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "inner_iterations"):
-            check_positive("grpo", name, getattr(self, name))
-        check_choice("grpo", "objective", self.objective, OBJECTIVE_NAMES)
-        check_positive("grpo", "clip_range", self.clip_range)
-        check_positive("grpo", "clip_range_high", self.clip_range_high, allow_zero=True)
-        check_positive("grpo", "opd_temperature", self.opd_temperature)
-        check_positive("grpo", "opd_hard_ce", self.opd_hard_ce, allow_zero=True)
-        check_positive("grpo", "kl_beta", self.kl_beta, allow_zero=True)
-        check_positive("grpo", "adv_clip_max", self.adv_clip_max)
-        check_positive("grpo", "lr", self.lr)
-        check_positive("grpo", "max_grad_norm", self.max_grad_norm, allow_zero=True)
+        check_constraints(self, "grpo")
         if self.sequence_packing:
             raise ConfigError(
                 "grpo.sequence_packing=true is not supported: trace replay re-masks whole rows by commit "
@@ -176,16 +172,15 @@ class GRPOConfig:
 
 @dataclass
 class BDLMEvalConfig:
-    batch_size: int = option(100, "Rows per greedy decoding batch")
-    num_samples: int = option(0, "Held-out prompts evaluated (0 = the whole test split)")
+    batch_size: PositiveInt = option(100, "Rows per greedy decoding batch")
+    num_samples: NonNegativeInt = option(0, "Held-out prompts evaluated (0 = the whole test split)")
     threshold: float = option(0.9, "Commit threshold of the greedy evaluation decoder")
     champion_margin: float = option(
         0.0, "Registry: promote to champion only if eval/reward_mean is better by more than this"
     )
 
     def __post_init__(self) -> None:
-        check_positive("eval", "batch_size", self.batch_size)
-        check_positive("eval", "num_samples", self.num_samples, allow_zero=True)
+        check_constraints(self, "eval")
         if not 0 < self.threshold <= 1:
             raise ConfigError(f"eval.threshold={self.threshold} must be in (0, 1]")
 
@@ -211,7 +206,7 @@ class BDLMConfig(ConfigTree):
     preset: str = option("tiny-bdlm", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
-        self.check_numbers()
+        check_constraints(self, "")
         need = self.task.max_answer_length + 1
         if self.model.gen_length < need:
             raise ConfigError(

@@ -32,8 +32,7 @@ from .tree import (
     ConfigError,
     ConfigTree,
     apply_overrides,
-    check_choice,
-    check_positive,
+    check_constraints,
     lookup_preset,
     option,
     read_config_file,
@@ -42,6 +41,6 @@ from .tree import (
 __all__ = [
     "ALGORITHMS", "PRESETS", "RANKED", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree",
     "DataConfig", "EvalConfig", "ModelConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
-    "apply_overrides", "check_choice", "check_positive", "describe", "dump_preset", "get_preset", "load_config",
-    "lookup_preset", "main", "objective", "option", "read_config_file", "resolved_kl_space",
+    "apply_overrides", "check_constraints", "describe", "dump_preset", "get_preset", "load_config", "lookup_preset",
+    "main", "objective", "option", "read_config_file", "resolved_kl_space",
 ]

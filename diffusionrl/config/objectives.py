@@ -1,7 +1,8 @@
 """Every objective's configuration facts, one block each: its own ``algorithm.*`` keys, its flags,
 its checks and its registration.
 
-A block is an options dataclass (the keys only this objective reads, their defaults, help texts and
+A block is an options dataclass (the keys only this objective reads, their defaults, help texts,
+choices and bounds in their type hints: ``Literal[...]``, pydantic's ``PositiveFloat``..., and other
 value checks in an optional ``check``, which runs whatever ``algorithm.name`` is) and an ``Objective``
 record: the name, what it is (the model card's line), the options, its flags and ``fit``, the checks
 that tie it to the sampling and train sections when it is the one named. The flags:
@@ -26,8 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
-from .tree import ConfigError, check_choice, check_positive, option
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat
+
+from .tree import ConfigError, option
 
 # Rollout dynamics with an exact Gaussian log-density (GRPO-Guard's ratio normalisation needs one).
 EXACT_SDE_TYPES = ("sde", "dance")
@@ -64,20 +68,17 @@ FLOW_GRPO = Objective("flow_grpo", "Flow-GRPO (Liu et al. 2025)", ranks=True)
 # -- nft: DiffusionNFT (section 7) -------------------------------------------------------------------
 @dataclass
 class NFTOptions:
-    nft_beta: float = option(1.0, "DiffusionNFT guidance strength b of the implicit positive/negative policies")
-    nft_adv_clip: float = option(5.0, "DiffusionNFT advantage clip c in r = clamp(A, -c, c) / (2c) + 0.5")
-    old_policy_rate: float = option(0.001, "DiffusionNFT old-policy EMA ramp: eta = min(rate * max(step - flat, 0), "
-                                    "cap)")
-    old_policy_flat: int = option(0, "DiffusionNFT steps before the old-policy eta ramp starts")
+    nft_beta: PositiveFloat = option(1.0, "DiffusionNFT guidance strength b of the implicit positive/negative policies")
+    nft_adv_clip: PositiveFloat = option(5.0, "DiffusionNFT advantage clip c in r = clamp(A, -c, c) / (2c) + 0.5")
+    old_policy_rate: NonNegativeFloat = option(
+        0.001, "DiffusionNFT old-policy EMA ramp: eta = min(rate * max(step - flat, 0), cap)"
+    )
+    old_policy_flat: NonNegativeInt = option(0, "DiffusionNFT steps before the old-policy eta ramp starts")
     old_policy_cap: float = option(0.5, "DiffusionNFT maximum old-policy eta")
 
     def check(self) -> None:
-        check_positive("algorithm", "nft_beta", self.nft_beta)
-        check_positive("algorithm", "nft_adv_clip", self.nft_adv_clip)
         if not 0 <= self.old_policy_cap < 1:
             raise ConfigError(f"algorithm.old_policy_cap={self.old_policy_cap} must be in [0, 1)")
-        check_positive("algorithm", "old_policy_rate", self.old_policy_rate, allow_zero=True)
-        check_positive("algorithm", "old_policy_flat", self.old_policy_flat, allow_zero=True)
 
 
 def _nft_fit(cfg) -> None:
@@ -118,18 +119,14 @@ GRPO_GUARD = Objective("grpo_guard", "GRPO-Guard (Wang et al. 2025)", GuardOptio
 # -- dppo: Flow-DPPO (section 14.3) --------------------------------------------------------------------
 @dataclass
 class DPPOOptions:
-    dppo_kl_threshold: float = option(
+    dppo_kl_threshold: NonNegativeFloat = option(
         1e-6, "Flow-DPPO trust region: a pair whose KL(current || old) > this and whose ratio moved in the "
         "direction of its advantage is masked out of the gradient"
     )
-    dppo_kl_space: str = option(
+    dppo_kl_space: Literal["x", "v"] = option(
         "x", "Flow-DPPO trust-region divergence: x = exact KL of the step Gaussians (mean over elements) | "
         "v = mean |v - v_old|^2"
     )
-
-    def check(self) -> None:
-        check_choice("algorithm", "dppo_kl_space", self.dppo_kl_space, ("x", "v"))
-        check_positive("algorithm", "dppo_kl_threshold", self.dppo_kl_threshold, allow_zero=True)
 
 
 DPPO = Objective("dppo", "Flow-DPPO (Ping et al. 2026)", DPPOOptions, old_policy=True)
@@ -152,19 +149,15 @@ AWM = Objective("awm", "Advantage Weighted Matching (Xue et al. 2025)", rollouts
 # -- dpo: online Diffusion-DPO (section 14.5) ----------------------------------------------------------
 @dataclass
 class DPOOptions:
-    dpo_beta: float = option(
+    dpo_beta: PositiveFloat = option(
         5000.0, "Online Diffusion-DPO temperature beta on the per-element-mean error (Diffusion-DPO's SD1.5 value, "
         "with a full fine-tune at lr ~2e-5); the margin moves by ~beta/2 * lr per Adam step, so keep beta * "
         "learning_rate <~ 0.1 or the sigmoid saturates after a step and nothing is learned (tiny-cpu-dpo: 5 at lr 1e-2)"
     )
-    dpo_pairs: str = option(
+    dpo_pairs: Literal["best_worst", "all"] = option(
         "best_worst", "Online Diffusion-DPO pairs per prompt group: best_worst (highest vs lowest reward) | all "
         "(every positive-advantage sample vs every negative-advantage one)"
     )
-
-    def check(self) -> None:
-        check_choice("algorithm", "dpo_pairs", self.dpo_pairs, ("best_worst", "all"))
-        check_positive("algorithm", "dpo_beta", self.dpo_beta)
 
 
 def _dpo_fit(cfg) -> None:
@@ -205,7 +198,7 @@ _BY_NAME = {o.name: o for o in OBJECTIVES}
 def objective(name: str) -> Objective:
     """The record of ``algorithm.name`` ``name`` (a ``ConfigError`` naming the known ones if none)."""
     if name not in _BY_NAME:
-        check_choice("algorithm", "name", name, ALGORITHMS)
+        raise ConfigError(f"algorithm.name={name!r} is not one of {list(ALGORITHMS)}")
     return _BY_NAME[name]
 
 

@@ -30,6 +30,7 @@ from .tree import (
     ConfigError,
     ConfigTree,
     apply_overrides,
+    check_constraints,
     option,
     read_config_file,
 )
@@ -48,7 +49,7 @@ class Config(ConfigTree):
     preset: str = option("tiny-cpu", "Name of the preset this config started from (informational)")
 
     def __post_init__(self) -> None:
-        self.check_numbers()
+        check_constraints(self, "")
         check_objective_fit(self)
         if self.train.mixed_precision != "no" and self.model.device == "cpu":
             raise ConfigError(

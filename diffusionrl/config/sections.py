@@ -6,14 +6,16 @@ checks. ``diffusionrl.config.Config`` assembles them and checks what spans secti
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from .objectives import ALGORITHMS, SDE_OBJECTIVES, objective, option_classes
 from .tree import (
     ConfigError,
-    check_choice,
-    check_device,
-    check_positive,
+    check_constraints,
     option,
 )
 
@@ -25,54 +27,73 @@ class ModelConfig:
         "hub id; the family (SD3, FLUX.1) is read from its model_index.json"
     )
     revision: str = option("", "Hub revision (branch, tag or commit); empty for the default branch")
-    dtype: str = option("float32", "Weights dtype of the frozen modules: float32 | float16 | bfloat16")
+    dtype: Literal["float32", "float16", "bfloat16"] = option(
+        "float32", "Weights dtype of the frozen modules: float32 | float16 | bfloat16"
+    )
     device: str = option("auto", "Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
-    max_sequence_length: int = option(32, "T5 prompt length in tokens (SD3 pipelines default to 256)")
-    lora_rank: int = option(8, "LoRA rank r")
-    lora_alpha: int = option(16, "LoRA alpha (scale = alpha / r)")
-    lora_init: str = option("gaussian", "peft init_lora_weights: gaussian | true (kaiming, B = 0 in both)")
+    max_sequence_length: PositiveInt = option(32, "T5 prompt length in tokens (SD3 pipelines default to 256)")
+    lora_rank: PositiveInt = option(8, "LoRA rank r")
+    lora_alpha: PositiveInt = option(16, "LoRA alpha (scale = alpha / r)")
+    lora_init: Literal["gaussian", "true"] = option(
+        "gaussian", "peft init_lora_weights: gaussian | true (kaiming, B = 0 in both)"
+    )
     lora_targets: list[str] = option([], "Module name suffixes that get a LoRA adapter; empty: the family's own "
                                      "(its adapter's default_lora_targets, e.g. SD3's attention projections)")
-    lora_experts: str = option("both", "A model with two experts (Wan2.2 A14B): which gets the LoRA: both | high "
-                               "(transformer, high-noise steps) | low (transformer_2, low-noise steps)")
+    lora_experts: Literal["both", "high", "low"] = option(
+        "both", "A model with two experts (Wan2.2 A14B): which gets the LoRA: both | high (transformer, high-noise "
+        "steps) | low (transformer_2, low-noise steps)"
+    )
     gradient_checkpointing: bool = option(False, "Recompute transformer activations in backward")
 
     def __post_init__(self) -> None:
-        check_choice("model", "dtype", self.dtype, ("float32", "float16", "bfloat16"))
-        check_choice("model", "lora_init", self.lora_init, ("gaussian", "true"))
-        check_choice("model", "lora_experts", self.lora_experts, ("both", "high", "low"))
-        check_device("model", "device", self.device)
-        check_positive("model", "lora_rank", self.lora_rank)
-        check_positive("model", "lora_alpha", self.lora_alpha)
-        check_positive("model", "max_sequence_length", self.max_sequence_length)
+        check_constraints(self, "model")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"model.device={self.device!r} is not a device: use auto, cpu, cuda or cuda:N")
 
 
 @dataclass
 class SamplingConfig:
     resolution: int = option(64, "Image height and width in pixels (a multiple of 16)")
-    num_frames: int = option(1, "Frames per sample: 1 for image models; video models (Wan) take 1 + 4k (5, 33, 81)")
+    num_frames: PositiveInt = option(
+        1, "Frames per sample: 1 for image models; video models (Wan) take 1 + 4k (5, 33, 81)"
+    )
     eval_resolution: int = option(0, "Evaluation and registered-model image size (0 = resolution): train lower")
     num_steps: int = option(10, "Denoising steps T of a rollout")
-    guidance_scale: float = option(4.5, "Guidance scale g: SD3's classifier-free guidance (1.0 = no CFG pass); "
-                                   "FLUX.1's distilled-guidance input (3.5 for FLUX.1-dev; never a CFG pass)")
+    guidance_scale: PositiveFloat = option(
+        4.5, "Guidance scale g: SD3's classifier-free guidance (1.0 = no CFG pass); FLUX.1's distilled-guidance "
+        "input (3.5 for FLUX.1-dev; never a CFG pass)"
+    )
     negative_prompt: str = option("", "Negative prompt used for CFG (families with a CFG pass: SD3)")
-    sde_type: str = option("sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode | dance "
-                           "(DanceGRPO: constant noise g = noise_level)")
-    noise_level: float = option(0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps, eta = 0.3 for dance)")
-    step_strategy: str = option("all", "Which steps are stochastic: all | sde_window | epoch_random_choice | "
-                                "mix_window (MixGRPO: one window for all groups, sliding with training)")
+    sde_type: Literal["sde", "cps", "ode", "dance"] = option(
+        "sde", "Stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving) | ode | dance (DanceGRPO: constant "
+        "noise g = noise_level)"
+    )
+    noise_level: NonNegativeFloat = option(
+        0.7, "SDE noise level a (0.7 for sde, 0.8 recommended for cps, eta = 0.3 for dance)"
+    )
+    step_strategy: Literal["all", "sde_window", "epoch_random_choice", "mix_window"] = option(
+        "all", "Which steps are stochastic: all | sde_window | epoch_random_choice | mix_window (MixGRPO: one window "
+        "for all groups, sliding with training)"
+    )
     num_sde_steps: int = option(2, "Number of SDE steps for sde_window / epoch_random_choice / mix_window")
     window_range: list[int] = option([0, 5], "[lo, hi): the SDE window lies inside these step indices")
-    window_shift_interval: int = option(25, "mix_window: RL steps between two moves of the window (MixGRPO's tau)")
-    window_stride: int = option(1, "mix_window: steps the window moves by (MixGRPO's s); it restarts at lo once "
-                                "it would leave window_range")
+    window_shift_interval: PositiveInt = option(
+        25, "mix_window: RL steps between two moves of the window (MixGRPO's tau)"
+    )
+    window_stride: PositiveInt = option(
+        1, "mix_window: steps the window moves by (MixGRPO's s); it restarts at lo once it would leave window_range"
+    )
     candidate_steps: list[int] = option([0, 1, 2, 3, 4, 5, 6, 7, 8], "Steps epoch_random_choice draws from")
-    ode_solver: str = option("euler", "Deterministic solver for NFT rollouts, eval and the ODE steps outside an SDE "
-                             "window: euler | heun | dpm2m (DPM-Solver++(2M); with mix_window: MixGRPO-Flash)")
+    ode_solver: Literal["euler", "heun", "dpm2m"] = option(
+        "euler", "Deterministic solver for NFT rollouts, eval and the ODE steps outside an SDE window: euler | heun | "
+        "dpm2m (DPM-Solver++(2M); with mix_window: MixGRPO-Flash)"
+    )
     same_latent: bool = option(False, "Training rollouts: a group's samples start from one initial latent (the "
                                "group's first seed; flow_grpo's sample.same_latent, DanceGRPO's init_same_noise), so "
                                "their reward spread comes from the trained SDE steps alone")
-    engine: str = option("local", "Rollout engine: local (in-process diffusers) | sglang (SGLang diffusion server)")
+    engine: Literal["local", "sglang"] = option(
+        "local", "Rollout engine: local (in-process diffusers) | sglang (SGLang diffusion server)"
+    )
     sglang_python: str = option(
         "", "sglang engine: Python interpreter of the SGLang venv ('' = $DIFFUSIONRL_SGLANG_PYTHON, else "
         "the repo's .venv-sglang/bin/python, else the current interpreter if it imports sglang)"
@@ -81,40 +102,32 @@ class SamplingConfig:
     sglang_verify_weights: bool = option(
         False, "sglang engine: after each weight push, check the server's /get_weights_checksum against ours"
     )
-    sglang_ipc_bucket_mb: int = option(512, "sglang engine: CUDA IPC weight-push bucket size in MiB (colocated GPU "
-                                       "only)")
-    sglang_start_timeout_s: float = option(300.0, "sglang engine: seconds to wait for the server to become healthy")
-    sglang_max_restarts: int = option(3, "sglang engine: server restarts (then a batch retry) allowed per run")
-    sglang_outputs_per_request: int = option(
+    sglang_ipc_bucket_mb: PositiveInt = option(
+        512, "sglang engine: CUDA IPC weight-push bucket size in MiB (colocated GPU only)"
+    )
+    sglang_start_timeout_s: PositiveFloat = option(
+        300.0, "sglang engine: seconds to wait for the server to become healthy"
+    )
+    sglang_max_restarts: NonNegativeInt = option(
+        3, "sglang engine: server restarts (then a batch retry) allowed per run"
+    )
+    sglang_outputs_per_request: PositiveInt = option(
         16, "sglang engine: most samples of one group (a prompt and its SDE step set) sent in one /rollout/generate "
         "request, which the server samples as one batched forward (1 = one request per sample)"
     )
 
     def __post_init__(self) -> None:
-        check_choice("sampling", "sde_type", self.sde_type, ("sde", "cps", "ode", "dance"))
-        check_choice("sampling", "step_strategy", self.step_strategy,
-                     ("all", "sde_window", "epoch_random_choice", "mix_window"))
-        check_choice("sampling", "ode_solver", self.ode_solver, ("euler", "heun", "dpm2m"))
-        check_positive("sampling", "window_shift_interval", self.window_shift_interval)
-        check_positive("sampling", "window_stride", self.window_stride)
-        check_choice("sampling", "engine", self.engine, ("local", "sglang"))
+        check_constraints(self, "sampling")
         if not 0 <= self.sglang_port <= 65535:
             raise ConfigError(f"sampling.sglang_port={self.sglang_port} must be in [0, 65535] (0 picks a free port)")
-        check_positive("sampling", "sglang_ipc_bucket_mb", self.sglang_ipc_bucket_mb)
-        check_positive("sampling", "sglang_start_timeout_s", self.sglang_start_timeout_s)
-        check_positive("sampling", "sglang_max_restarts", self.sglang_max_restarts, allow_zero=True)
-        check_positive("sampling", "num_frames", self.num_frames)
-        check_positive("sampling", "sglang_outputs_per_request", self.sglang_outputs_per_request)
         if self.resolution <= 0 or self.resolution % 16:
             raise ConfigError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
         if self.eval_resolution < 0 or self.eval_resolution % 16:
             raise ConfigError(f"sampling.eval_resolution={self.eval_resolution} must be 0 or a multiple of 16")
         if self.num_steps < 2:
             raise ConfigError(f"sampling.num_steps={self.num_steps} must be >= 2")
-        check_positive("sampling", "guidance_scale", self.guidance_scale)
-        check_positive("sampling", "noise_level", self.noise_level, allow_zero=True)
-        if self.step_strategy != "all":
-            check_positive("sampling", "num_sde_steps", self.num_sde_steps)
+        if self.step_strategy != "all" and self.num_sde_steps <= 0:
+            raise ConfigError(f"sampling.num_sde_steps={self.num_sde_steps} must be > 0")
         if self.step_strategy in ("sde_window", "mix_window"):
             if len(self.window_range) != 2:
                 raise ConfigError(f"sampling.window_range={self.window_range} must be [lo, hi)")
@@ -162,12 +175,12 @@ class AlgorithmKeys:
     """The ``algorithm.*`` keys several objectives read; each objective's own are in its block of
     ``diffusionrl/config/objectives.py``."""
 
-    name: str = option("flow_grpo", "Policy update: " + " | ".join(ALGORITHMS))
-    clip_range: float = option(1e-4, "PPO ratio clip epsilon (log-probs are per-element means, hence tiny)")
-    kl_beta: float = option(0.04, "Weight of the KL term against the LoRA-disabled reference (0 skips it)")
-    adv_clip_max: float = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
+    name: Literal[ALGORITHMS] = option("flow_grpo", "Policy update: " + " | ".join(ALGORITHMS))
+    clip_range: PositiveFloat = option(1e-4, "PPO ratio clip epsilon (log-probs are per-element means, hence tiny)")
+    kl_beta: NonNegativeFloat = option(0.04, "Weight of the KL term against the LoRA-disabled reference (0 skips it)")
+    adv_clip_max: PositiveFloat = option(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max]")
     global_std: bool = option(True, "Normalise advantages by the batch std instead of the group std")
-    kl_space: str = option(
+    kl_space: Literal["auto", "x", "v"] = option(
         "auto", "Space of the KL to the reference (weight kl_beta): x = the step Gaussians' term of section 5 "
         f"(SDE objectives only) | v = mean |v - v_ref|^2 | auto = x for {'/'.join(SDE_OBJECTIVES)}, v otherwise"
     )
@@ -184,8 +197,7 @@ class AlgorithmConfig(*reversed(option_classes()), AlgorithmKeys):  # fields: Al
     """The ``algorithm`` section: the shared keys, then every registered objective's own keys."""
 
     def __post_init__(self) -> None:
-        check_choice("algorithm", "name", self.name, ALGORITHMS)
-        check_choice("algorithm", "kl_space", self.kl_space, ("auto", "x", "v"))
+        check_constraints(self, "algorithm")
         for options in option_classes():
             if hasattr(options, "check"):
                 options.check(self)
@@ -194,16 +206,13 @@ class AlgorithmConfig(*reversed(option_classes()), AlgorithmKeys):  # fields: Al
                 f"algorithm.kl_space=x needs the step Gaussians of SDE rollouts; {self.name} re-noises clean samples "
                 "and has no step Gaussian: use kl_space=v (or auto)"
             )
-        check_positive("algorithm", "clip_range", self.clip_range)
-        check_positive("algorithm", "kl_beta", self.kl_beta, allow_zero=True)
-        check_positive("algorithm", "adv_clip_max", self.adv_clip_max)
 
 
 @dataclass
 class RewardConfig:
     weights: dict[str, float] = option({"jpeg_compressibility": 1.0}, "Reward name -> weight of a weighted sum")
-    num_actors: int = option(0, "Ray CPU actors scoring rewards (0 scores in-process)")
-    ocr_backend: str = option("rapidocr", "OCR backend: rapidocr | paddleocr")
+    num_actors: NonNegativeInt = option(0, "Ray CPU actors scoring rewards (0 scores in-process)")
+    ocr_backend: Literal["rapidocr", "paddleocr"] = option("rapidocr", "OCR backend: rapidocr | paddleocr")
     ocr_model_dir: str = option("", "PaddleOCR: folder holding det/ and rec/ model folders")
     ocr_threads: int = option(0, "onnxruntime intra-op threads per OCR engine (0: the reward actor's CPU "
                               "share, else onnxruntime's default)")
@@ -211,33 +220,34 @@ class RewardConfig:
     pickscore_model: str = option("yuvalkirstain/PickScore_v1", "PickScore model id or folder")
 
     def __post_init__(self) -> None:
+        check_constraints(self, "reward")
         if not self.weights:
             raise ConfigError("reward.weights is empty: give at least one reward, e.g. {jpeg_compressibility: 1.0}")
-        check_choice("reward", "ocr_backend", self.ocr_backend, ("rapidocr", "paddleocr"))
-        check_positive("reward", "num_actors", self.num_actors, allow_zero=True)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = option(40, "Number of RL steps (rollout + update)")
-    prompts_per_step: int = option(4, "Distinct prompts (groups) sampled per step")
-    group_size: int = option(8, "Samples per prompt k")
-    micro_batch_size: int = option(8, "Samples per forward pass; sampling and training use the same batches")
-    inner_epochs: int = option(1, "Passes over each rollout batch (log_prob_old stays the rollout's)")
-    minibatches: int = option(1, "Optimizer steps per inner epoch (the batch is split into this many)")
-    learning_rate: float = option(3e-4, "AdamW learning rate")
+    steps: PositiveInt = option(40, "Number of RL steps (rollout + update)")
+    prompts_per_step: PositiveInt = option(4, "Distinct prompts (groups) sampled per step")
+    group_size: PositiveInt = option(8, "Samples per prompt k")
+    micro_batch_size: PositiveInt = option(8, "Samples per forward pass; sampling and training use the same batches")
+    inner_epochs: PositiveInt = option(1, "Passes over each rollout batch (log_prob_old stays the rollout's)")
+    minibatches: PositiveInt = option(1, "Optimizer steps per inner epoch (the batch is split into this many)")
+    learning_rate: PositiveFloat = option(3e-4, "AdamW learning rate")
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.999, "AdamW beta2")
     weight_decay: float = option(1e-4, "AdamW weight decay")
-    max_grad_norm: float = option(1.0, "Gradient clipping norm (0 disables)")
-    max_idle_steps: int = option(
+    max_grad_norm: NonNegativeFloat = option(1.0, "Gradient clipping norm (0 disables)")
+    max_idle_steps: NonNegativeInt = option(
         3, "Stop the run (one line, exit 2) after this many steps in a row without an optimizer step (every update "
         "skipped as non-finite, or no sample with a learning signal), or at its end if it never made one; 0 never "
         "stops (diffusionrl/training/guard.py)")
     max_skipped_fraction: float = option(
         0.2, "Stop the run when more than this share of its updates so far were skipped as non-finite (checked "
         "from step 5); 1 never stops")
-    mixed_precision: str = option("no", "Forward precision: no (fp32) | fp16 (with grad scaler) | bf16")
+    mixed_precision: Literal["no", "fp16", "bf16"] = option(
+        "no", "Forward precision: no (fp32) | fp16 (with grad scaler) | bf16"
+    )
     ema: bool = option(False, "Keep an EMA of the LoRA weights for evaluation")
     ema_decay: float = option(0.9, "EMA decay")
     seed: int = option(0, "Seed of prompts, sample seeds and the LoRA init")
@@ -246,13 +256,18 @@ class TrainConfig:
     log_images_every: int = option(10, "Keep sample images every N steps (0 disables)")
     save_latents: bool = option(True, "Store latents and conditioning in the trajectory Parquet (rebuildable "
                                 "Trajectory)")
-    world_size: int = option(1, "Trainer ranks (one per GPU bundle); > 1 trains FSDP2-sharded across Ray actors "
-                             "(docs/scaling.md)")
-    placement: str = option("colocate", "Ray layout when world_size > 1: colocate (trainer rank + rollout engine per "
-                            "GPU bundle) | split")
-    rollout_engines: int = option(1, "Rollout engines when world_size > 1, held by ranks 0..n-1 (colocate: at most "
-                                  "world_size)")
-    cpus_per_bundle: int = option(1, "CPUs of each placement-group bundle (the trainer rank's and its engine's)")
+    world_size: PositiveInt = option(
+        1, "Trainer ranks (one per GPU bundle); > 1 trains FSDP2-sharded across Ray actors (docs/scaling.md)"
+    )
+    placement: Literal["colocate", "split"] = option(
+        "colocate", "Ray layout when world_size > 1: colocate (trainer rank + rollout engine per GPU bundle) | split"
+    )
+    rollout_engines: PositiveInt = option(
+        1, "Rollout engines when world_size > 1, held by ranks 0..n-1 (colocate: at most world_size)"
+    )
+    cpus_per_bundle: PositiveInt = option(
+        1, "CPUs of each placement-group bundle (the trainer rank's and its engine's)"
+    )
     engine_gpu_fraction: float = option(0.5, "Colocate: share of each bundle's GPU reserved for the engine; the rank "
                                         "takes the rest")
     memory_handoff: bool = option(False, "Colocate on GPU: the engine releases its memory while the trainer trains "
@@ -263,15 +278,10 @@ class TrainConfig:
                                  "in the trainer")
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "inner_epochs", "minibatches"):
-            check_positive("train", name, getattr(self, name))
-        check_positive("train", "learning_rate", self.learning_rate)
-        check_positive("train", "max_grad_norm", self.max_grad_norm, allow_zero=True)
-        check_positive("train", "max_idle_steps", self.max_idle_steps, allow_zero=True)
+        check_constraints(self, "train")
         if not 0 < self.max_skipped_fraction <= 1:
             raise ConfigError(f"train.max_skipped_fraction={self.max_skipped_fraction} must be in (0, 1] "
                               "(1 never stops)")
-        check_choice("train", "mixed_precision", self.mixed_precision, ("no", "fp16", "bf16"))
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
         batch = self.prompts_per_step * self.group_size
@@ -291,10 +301,6 @@ class TrainConfig:
         self._check_distributed(batch)
 
     def _check_distributed(self, batch: int) -> None:
-        check_positive("train", "world_size", self.world_size)
-        check_positive("train", "rollout_engines", self.rollout_engines)
-        check_positive("train", "cpus_per_bundle", self.cpus_per_bundle)
-        check_choice("train", "placement", self.placement, ("colocate", "split"))
         if not 0 < self.engine_gpu_fraction < 1:
             raise ConfigError(f"train.engine_gpu_fraction={self.engine_gpu_fraction} must be in (0, 1)")
         if self.world_size == 1:
@@ -318,25 +324,23 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    num_steps: int = option(20, "ODE denoising steps for evaluation")
-    guidance_scale: float = option(4.5, "CFG scale for evaluation")
-    num_prompts: int = option(8, "Held-out prompts evaluated (0 = all)")
-    seeds_per_prompt: int = option(1, "Samples per held-out prompt in the evaluation (seeds seed, seed + 1, ...)")
+    num_steps: PositiveInt = option(20, "ODE denoising steps for evaluation")
+    guidance_scale: PositiveFloat = option(4.5, "CFG scale for evaluation")
+    num_prompts: NonNegativeInt = option(8, "Held-out prompts evaluated (0 = all)")
+    seeds_per_prompt: PositiveInt = option(
+        1, "Samples per held-out prompt in the evaluation (seeds seed, seed + 1, ...)"
+    )
     seed: int = option(1234, "Seed of the evaluation noise (same for base and tuned)")
     use_ema: bool = option(True, "Evaluate the EMA weights when train.ema is on")
-    champion_margin: float = option(0.0, "Registry: promote to champion only if better by more than this")
-    every: int = option(10, "Held-out probe every this many steps during training (0 = off): held-out reward and "
-                        "diversity, for the reward-hacking alarm (diffusionrl.heldout)")
-    probe_prompts: int = option(8, "Held-out prompts of each probe during training (0 = all), one seed each")
+    champion_margin: NonNegativeFloat = option(0.0, "Registry: promote to champion only if better by more than this")
+    every: NonNegativeInt = option(
+        10, "Held-out probe every this many steps during training (0 = off): held-out reward and diversity, for the "
+        "reward-hacking alarm (diffusionrl.heldout)"
+    )
+    probe_prompts: NonNegativeInt = option(8, "Held-out prompts of each probe during training (0 = all), one seed each")
 
     def __post_init__(self) -> None:
-        check_positive("eval", "num_steps", self.num_steps)
-        check_positive("eval", "seeds_per_prompt", self.seeds_per_prompt)
-        check_positive("eval", "num_prompts", self.num_prompts, allow_zero=True)
-        check_positive("eval", "probe_prompts", self.probe_prompts, allow_zero=True)
-        check_positive("eval", "every", self.every, allow_zero=True)
-        check_positive("eval", "champion_margin", self.champion_margin, allow_zero=True)
-        check_positive("eval", "guidance_scale", self.guidance_scale)
+        check_constraints(self, "eval")
 
 
 @dataclass
@@ -348,6 +352,7 @@ class DataConfig:
     seed: int = option(0, "Seed of the generator and the train/test split")
 
     def __post_init__(self) -> None:
+        check_constraints(self, "data")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"data.test_fraction={self.test_fraction} must be in (0, 1)")
         if self.source.startswith("builtin:") and self.num_prompts < 2:
@@ -360,12 +365,15 @@ class TrackingConfig:
     uri: str = option("", "MLflow tracking URI; empty: $MLFLOW_TRACKING_URI, else a SQLite store in ./runs/mlflow")
     experiment: str = option("diffusionrl", "MLflow experiment of the workflow runs")
     registered_model: str = option("tiny-sd3-jpeg", "Registry name; versions of one name compete for @champion")
-    log_retries: int = option(5, "Attempts per MLflow logging call (exponential backoff) before buffering for later")
-    max_artifact_mb: float = option(200.0, "Trajectory folders up to this size are copied to MLflow; larger ones are "
-                                    "linked (.inf: always copied)", allow_inf=True)
+    log_retries: PositiveInt = option(
+        5, "Attempts per MLflow logging call (exponential backoff) before buffering for later"
+    )
+    max_artifact_mb: NonNegativeFloat = option(
+        200.0, "Trajectory folders up to this size are copied to MLflow; larger ones are linked (.inf: always "
+        "copied)", allow_inf=True
+    )
 
     def __post_init__(self) -> None:
-        check_positive("tracking", "log_retries", self.log_retries)
-        check_positive("tracking", "max_artifact_mb", self.max_artifact_mb, allow_zero=True)
+        check_constraints(self, "tracking")
         if not self.registered_model.strip():
             raise ConfigError("tracking.registered_model is empty: name the registry entry, e.g. 'tiny-sd3-jpeg'")

@@ -3,15 +3,18 @@
 A tree is a dataclass of *sections* (dataclasses of plain leaves: str/int/float/bool/list/dict)
 plus top-level leaves, mixed with :class:`ConfigTree`. This module gives it:
 
-* fields with help text: :func:`option`; value checks for ``__post_init__``: :func:`check_choice`,
-  :func:`check_positive`; one error type, :class:`ConfigError` (a ``diffusionrl.errors.UserError``);
+* fields with help text (:func:`option`) whose type hints carry their constraints (``Literal``,
+  pydantic's ``PositiveInt``...), checked by :func:`check_constraints` first in ``__post_init__``;
+  one error type, :class:`ConfigError` (a ``diffusionrl.errors.UserError``), of one line;
 * a dict round trip (``to_dict`` / ``from_dict``) in which unknown keys are rejected with a
   suggestion, a partial tree is completed from the preset its ``preset`` key names (never from bare
-  defaults under a preset's name), and leaves are type-checked against their annotations, numbers
-  (list items and dict values too) must be finite (``option(..., allow_inf=True)`` admits +-inf);
+  defaults under a preset's name), and leaves are checked against their type hints by a strict
+  pydantic ``TypeAdapter``; numbers (list items and dict values too) must be finite
+  (``option(..., allow_inf=True)`` admits +-inf);
 * the same checks on every way into a tree from outside Python: ``from_json`` is what ``pyflyte run
   --config FILE`` calls, and mashumaro's ``__pre_deserialize__`` hook runs ``from_dict`` whenever
-  flytekit decodes a tree (the Flyte console, a remote launch, every task input);
+  flytekit decodes a tree (the Flyte console, a remote launch, every task input; why not pydantic:
+  docs/architecture.md, "How a config gets in");
 * dotted flattening (``flat``) and a content digest (``digest``);
 * one merge of a partial dict over a full one (``ConfigTree.merge_dicts``), YAML/JSON files
   (:func:`read_config_file`) and dotted ``section.key=value`` overrides (:func:`apply_overrides`);
@@ -27,15 +30,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
-import re
+import typing
 from dataclasses import field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, TypeAdapter, ValidationError
 
 from diffusionrl.errors import UserError
 
@@ -43,9 +48,7 @@ __all__ = [
     "ConfigError",
     "ConfigTree",
     "apply_overrides",
-    "check_choice",
-    "check_device",
-    "check_positive",
+    "check_constraints",
     "lookup_preset",
     "option",
     "read_config_file",
@@ -69,27 +72,6 @@ def option(default: Any, help: str, allow_inf: bool = False, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata, **kw)
     return field(default=default, metadata=metadata, **kw)
-
-
-def check_choice(section: str, name: str, value: Any, choices: tuple) -> None:
-    """Reject ``section.name=value`` unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ConfigError(f"{section}.{name}={value!r} is not one of {list(choices)}")
-
-
-def check_positive(section: str, name: str, value: float, allow_zero: bool = False) -> None:
-    """Reject ``section.name=value`` unless ``value > 0`` (``>= 0`` with ``allow_zero``); NaN is rejected."""
-    if isinstance(value, float) and math.isnan(value):
-        raise ConfigError(f"{section}.{name}={value!r} must be a finite number")
-    if not (value > 0 or (allow_zero and value == 0)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{section}.{name}={value!r} must be {bound}")
-
-
-def check_device(section: str, name: str, value: Any) -> None:
-    """Reject ``section.name=value`` unless it is a device the models take: auto, cpu, cuda, cuda:N."""
-    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-        raise ConfigError(f"{section}.{name}={value!r} is not a device: use auto, cpu, cuda or cuda:N")
 
 
 def unknown_key_error(key: str, known: list[str], where: str) -> ConfigError:
@@ -191,17 +173,6 @@ class ConfigTree:
         does: a partial tree is laid over its preset, an unknown key is an error, not a silent drop."""
         return cls.from_dict(data, where="config").to_dict()
 
-    def check_numbers(self) -> None:
-        """Reject a non-finite number in any leaf (``from_dict`` checks them too; this covers a tree
-        built directly in Python). Call it first in the tree's ``__post_init__``."""
-        for section in dataclasses.fields(self):
-            value = getattr(self, section.name)
-            if section.name in self.sections():
-                for f in fields(value):
-                    _check_finite(getattr(value, f.name), f"{section.name}.{f.name}", f.metadata)
-            else:
-                _check_finite(value, section.name, section.metadata)
-
     @classmethod
     def merge_dicts(cls, base: dict[str, Any], update: dict[str, Any], where: str) -> dict[str, Any]:
         """A copy of ``base`` (a full dict of this tree) with the partial ``update`` laid over it:
@@ -253,72 +224,102 @@ def _build(cls: type, data: dict[str, Any], where: str, prefix: str, sections: d
     ``cls`` in the tree ('' at the root), which value errors name."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or where} must be a mapping, got {type(data).__name__}")
-    known = [f.name for f in fields(cls)]
-    by_name = {f.name: f for f in fields(cls)}
+    by_name, hints, sections = {f.name: f for f in fields(cls)}, _hints(cls), sections or {}
     kwargs: dict[str, Any] = {}
-    sections = sections or {}
     for key, value in data.items():
-        if key not in known:
-            raise unknown_key_error(key, known, f"{where}.{prefix}" if prefix else where)
+        if key not in by_name:
+            raise unknown_key_error(key, list(by_name), f"{where}.{prefix}" if prefix else where)
         dotted = f"{prefix}.{key}" if prefix else key
         if key in sections:
             kwargs[key] = _build(sections[key], value, where, dotted)
         else:
-            f = by_name[key]
-            kwargs[key] = _coerce(value, str(f.type), dotted, f.metadata.get("allow_inf", False))
+            kwargs[key] = _coerce(value, hints[key], dotted, by_name[key].metadata.get("allow_inf", False))
+    return cls(**kwargs)
+
+
+def _numeric(value: Any) -> Any:
     try:
-        return cls(**kwargs)
-    except TypeError as exc:  # pragma: no cover - defensive, names are checked above
-        raise ConfigError(f"{where}: {exc}") from exc
-
-
-_SCALARS = {"int": int, "bool": bool, "str": str, "float": float}
-
-
-def _coerce(value: Any, type_name: str, key: str, allow_inf: bool = False) -> Any:
-    """Check a leaf against its annotation: ``float`` also takes ints and numeric strings like
-    YAML's ``3e-4`` and must be finite (unless ``allow_inf``; NaN never), ``int`` takes integral
-    floats (JSON from the Flyte console has no ints); the items of ``list[X]`` and the values of
-    ``dict[str, X]`` are checked as ``X``. Errors name the dotted ``key``."""
-    base, _, inner = str(type_name).partition("[")
-    base = base.strip()
-    if base == "list" and isinstance(value, list):
-        item = inner.rstrip("]").strip()
-        return [_coerce(v, item, f"{key}[{i}]", allow_inf) if item in _SCALARS else v for i, v in enumerate(value)]
-    if base == "dict" and isinstance(value, dict):
-        item = inner.rstrip("]").rpartition(",")[2].strip()
-        if item in _SCALARS:
-            bad = [k for k in value if not isinstance(k, str)]
-            if bad:
-                raise ConfigError(f"{key} keys must be strings, got {bad[0]!r}")
-            return {k: _coerce(v, item, f"{key}.{k}", allow_inf) for k, v in value.items()}
+        return float(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else value
+    except ValueError:
         return value
-    if base == "float":
-        number: Any = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        _check_finite(number, key, {"allow_inf": allow_inf})
-        return number
-    if base == "int" and isinstance(value, float) and value.is_integer():
-        return int(value)
-    expected = {"int": int, "bool": bool, "str": str, "list": list, "dict": dict}.get(base)
-    if expected is None:
-        return value
-    if expected is int and isinstance(value, bool) or not isinstance(value, expected):
-        raise ConfigError(f"{key} must be of type {type_name}, got {value!r}")
+
+
+# The two leniencies of the strict check: JSON from the Flyte console has no ints (an integral float
+# is an int), YAML 1.1 reads 3e-4 as a string (a numeric string is a float).
+_LENIENCY = {int: lambda v: int(v) if isinstance(v, float) and v.is_integer() else v, float: _numeric}
+_LENIENT = {tp: Annotated[tp, BeforeValidator(f)] for tp, f in _LENIENCY.items()}
+
+
+def _lenient(tp: Any) -> Any:
+    """``tp`` with the leniencies applied to its ints and floats, list items and dict values too."""
+    args = typing.get_args(tp)
+    return typing.get_origin(tp)[tuple(map(_lenient, args))] if args else _LENIENT[tp] if tp in (int, float) else tp
+
+
+_hints = functools.cache(lambda cls: typing.get_type_hints(cls, include_extras=True))
+
+
+@functools.cache
+def _adapter(tp: Any, strict: bool = True) -> TypeAdapter:
+    return TypeAdapter(_lenient(tp), config=ConfigDict(strict=strict))
+
+
+def _coerce(value: Any, tp: Any, key: str, allow_inf: bool = False) -> Any:
+    """Check a leaf against its type hint with pydantic, strictly (no bool for a number, no number
+    for a str) but for ``_LENIENT``, with the hint's constraints (``Literal``, ``PositiveInt``...);
+    numbers must be finite (unless ``allow_inf``; NaN never). The one-line error names the dotted
+    ``key`` (``key[i]``, ``key.k`` for a list item, a dict value)."""
+    try:
+        value = _adapter(tp).validate_python(value)
+    except ValidationError as exc:
+        raise _one_line(exc, tp, key, allow_inf) from None
+    _check_finite(value, key, {"allow_inf": allow_inf})
     return value
 
 
+def check_constraints(obj: Any, section: str) -> None:
+    """Check the dataclass ``obj`` (a section, or a tree with ``section=''``) against what its type
+    hints constrain (``Literal`` choices, ``PositiveInt``, ``NonNegativeFloat``...) and its numbers
+    for finiteness (``option(allow_inf=...)``), naming ``section.key``: call it first in
+    ``__post_init__``. Types are checked (strictly) where a dict comes in, ``from_dict``."""
+    hints = _hints(type(obj))
+    for f in fields(obj):
+        key, value, tp = f"{section}.{f.name}" if section else f.name, getattr(obj, f.name), hints[f.name]
+        if typing.get_origin(tp) in (Annotated, typing.Literal):
+            try:
+                _adapter(tp, strict=False).validate_python(value)
+            except ValidationError as exc:
+                raise _one_line(exc, tp, key, f.metadata.get("allow_inf", False), coerced=False) from None
+        _check_finite(value, key, f.metadata)
+
+
+def _one_line(exc: ValidationError, tp: Any, key: str, allow_inf: bool, coerced: bool = True) -> ConfigError:
+    """The first error of ``exc`` (checking a leaf of type ``tp``) in this module's words; a number is
+    shown as the leniencies make it when the value came from a dict (``coerced``), else as given."""
+    err = exc.errors()[0]
+    value, kind, loc = err["input"], err["type"], err["loc"]
+    if "[key]" in loc:
+        return ConfigError(f"{key} keys must be strings, got {value!r}")
+    where = key + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+    for _ in loc:  # the type of the item or value that failed
+        tp = typing.get_args(tp)[-1]
+    base = typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+    if coerced:
+        value = _LENIENCY.get(base, lambda v: v)(value)
+    if kind in ("greater_than", "greater_than_equal"):  # NaN, -inf fail the bound: said to be not finite
+        _check_finite(value, where, {"allow_inf": allow_inf})
+        bound = f"> {err['ctx']['gt']}" if kind == "greater_than" else f">= {err['ctx']['ge']}"
+        return ConfigError(f"{where}={value!r} must be {bound}")
+    if kind == "literal_error" and isinstance(value, str):
+        return ConfigError(f"{where}={value!r} is not one of {list(typing.get_args(tp))}")
+    if kind == "literal_error":  # YAML's `true` for 'true' is a type error
+        base = type(typing.get_args(tp)[0])
+    what = "a number" if base is float else f"of type {base.__name__ if isinstance(base, type) else base}"
+    return ConfigError(f"{where} must be {what}, got {value!r}")
+
+
 def _check_finite(value: Any, key: str, metadata: Any) -> None:
-    """Reject NaN anywhere in ``value`` (a number, or the items of a list / values of a dict) and
-    +-inf unless ``metadata["allow_inf"]``."""
+    """Reject NaN anywhere in ``value`` (list items, dict values too); +-inf unless ``metadata["allow_inf"]``."""
     if isinstance(value, dict):
         for k, v in value.items():
             _check_finite(v, f"{key}.{k}", metadata)
