@@ -129,6 +129,8 @@ class GRPOConfig:
     inner_iterations: int = option(2, "Optimizer steps per rollout batch (old policy = start-of-step snapshot)")
     clip_range: float = option(0.2, "PPO ratio clip epsilon (per-token log-probs, hence the usual 0.2)")
     clip_range_high: float = option(0.0, "dapo: upper clip epsilon (clip-higher, e.g. 0.28); 0 uses clip_range")
+    dapo_max_refills: int = option(3, "dapo: extra rollout batches per step at most, drawn to refill the groups "
+                                   "without reward variance (dynamic sampling; 0: filter only)")
     teacher: str = option("", "opd: the teacher's model folder (same model kind as the student; never updated)")
     opd_temperature: float = option(1.0, "opd: distillation temperature tau of the forward KL (scaled by tau^2)")
     opd_hard_ce: float = option(0.0, "opd: weight of the hard CE on the teacher's argmax token (0: KL only)")
@@ -150,6 +152,7 @@ class GRPOConfig:
         check_choice("grpo", "objective", self.objective, OBJECTIVE_NAMES)
         check_positive("grpo", "clip_range", self.clip_range)
         check_positive("grpo", "clip_range_high", self.clip_range_high, allow_zero=True)
+        check_positive("grpo", "dapo_max_refills", self.dapo_max_refills, allow_zero=True)
         check_positive("grpo", "opd_temperature", self.opd_temperature)
         check_positive("grpo", "opd_hard_ce", self.opd_hard_ce, allow_zero=True)
         check_positive("grpo", "kl_beta", self.kl_beta, allow_zero=True)
