@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from diffusionrl.bdlm import TraceGRPO, frozen_copy, load_bdlm, train_grpo, warm_start
+from diffusionrl.bdlm.dynamic_sampling import REFILL_GROUP_OFFSET, concat_rows, keep_groups
 from diffusionrl.bdlm.gemma_rollout import rollout
 from diffusionrl.bdlm.grpo import OldPolicy, accumulate
 from diffusionrl.bdlm.model import weights_digest
@@ -22,7 +23,7 @@ from diffusionrl.bdlm.objectives import (
     entropy,
     reduce_metrics,
 )
-from diffusionrl.run import CheckpointMismatch
+from diffusionrl.run import Callback, CheckpointMismatch
 from diffusionrl.training.trainer import UpdateStats
 
 from .test_bdlm import make_trace, small_cfg
@@ -208,3 +209,81 @@ def test_resume_with_another_objective_fails(tiny_runs):
     loop = build_grpo_loop(small_cfg(*base, "grpo.objective=dr_grpo", "grpo.steps=2"), run, student, progress=False)
     with pytest.raises(CheckpointMismatch, match="objective"):
         loop.run(resume="auto", allow_config_change=True)
+
+
+# -- dapo dynamic sampling: zero-variance groups are refilled from further batches ------------------------
+
+
+def test_keep_groups_and_concat_rows_hand_worked():
+    active = torch.tensor([False, False, True, True, True, True, True, True])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    assert keep_groups(active, groups, 2).tolist() == [False, False, True, True, True, True, False, False]
+    assert keep_groups(active, groups, 9).tolist() == active.tolist()
+    cfg = small_cfg()
+    model = load_bdlm(cfg.model.name, cfg.model)
+    a, b = make_trace(cfg, model, rows=4, mb=2), make_trace(cfg, model, rows=4, mb=2, threshold=0.3)
+    assert not torch.equal(a.action_steps, b.action_steps)
+    rows = torch.tensor([2, 3, 4, 5])
+    got = concat_rows([a, b], rows)
+    torch.testing.assert_close(got.targets, torch.cat([a.targets[2:], b.targets[:2]]))
+    torch.testing.assert_close(got.action_steps, torch.cat([a.action_steps[2:], b.action_steps[:2]]))
+    torch.testing.assert_close(got.seeds, torch.cat([a.seeds[2:], b.seeds[:2]]))
+    with pytest.raises(ValueError, match="temperature"):
+        concat_rows([a, make_trace(cfg, model, rows=4, mb=2, temperature=0.5)], rows)
+
+
+class _Batches(Callback):
+    def __init__(self):
+        self.batches = []
+
+    def on_step(self, loop, step, batch, metrics):
+        self.batches.append(batch)
+
+
+def test_dapo_refills_zero_variance_groups(tiny_runs):
+    """Seed 1: both groups of the step's first batch have one reward; two refill batches bring two
+    groups with variance. The learner's trace is whole rollout micro-batches of those batches, and
+    replaying it gives the recorded log-probs (first approx KL 0)."""
+    root, base, student, _ = tiny_runs
+    seen = _Batches()
+    cfg = small_cfg(*base, "grpo.objective=dapo", "grpo.seed=1", "grpo.group_size=2", "grpo.micro_batch_size=2")
+    m = train_grpo(cfg, root / "dapo-refill", student, resume=None, progress=False, callbacks=[seen]).metrics[0]
+    assert m["rollout/zero_std/count"] == 2 and m["rollout/dapo/refill_batches"] == 2
+    assert m["rollout/active_groups"] == 2 and m["rollout/dapo/missing_groups"] == 0
+    assert m["train/first_approx_kl"] == 0.0 and m["train/log_prob_mean_abs_diff"] == 0.0
+    assert m["train/optimizer_steps"] == 2
+    trace = seen.batches[0]
+    assert trace.batch_size % 2 == 0 and bool((trace.group_ids >= REFILL_GROUP_OFFSET).all())
+    # the same step without refill has nothing to learn from
+    plain = small_cfg(*base, "grpo.objective=dapo", "grpo.seed=1", "grpo.group_size=2", "grpo.micro_batch_size=2",
+                      "grpo.dapo_max_refills=0")
+    m0 = train_grpo(plain, root / "dapo-filter", student, resume=None, progress=False).metrics[0]
+    assert m0["rollout/active_groups"] == 0 and m0["train/optimizer_steps"] == 0
+
+
+def test_dapo_refill_stops_at_the_cap(tiny_runs):
+    """Exact-match reward only (partial_weight 0): the 10-step student never gets an answer right,
+    so no batch has a group with variance: the refill stops after ``dapo_max_refills`` batches,
+    reports the missing groups and leaves the weights as they were."""
+    root, base, student, _ = tiny_runs
+    cfg = small_cfg(*base, "grpo.objective=dapo", "task.partial_weight=0", "grpo.dapo_max_refills=2")
+    result = train_grpo(cfg, root / "dapo-cap", student, resume=None, progress=False)
+    m = result.metrics[0]
+    assert m["rollout/dapo/refill_batches"] == 2 and m["rollout/dapo/missing_groups"] == 2
+    assert m["rollout/active_groups"] == 0 and m["train/optimizer_steps"] == 0
+    assert weights_digest(load_bdlm(result.model_dir)) == weights_digest(load_bdlm(student))
+
+
+def test_concat_rows_of_diffusiongemma_traces_replays_exactly(gemma):
+    """Whole micro-batches of two DiffusionGemma rollouts make one valid trace whose replay gives
+    the recorded log-probs (what dapo's refill hands the learner)."""
+    cfg, model, trace, _ = gemma
+    other = rollout(model, cfg.model, PROMPTS, torch.tensor([21] * 4 + [22] * 4), 4, torch.arange(8) // 4 + 2)
+    other = other.with_rewards(torch.zeros(8), {}, torch.zeros(8))
+    rows = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11])  # the second micro-batch of each
+    got = concat_rows([trace, other], rows)
+    torch.testing.assert_close(got.canvases, torch.cat([trace.canvases[4:], other.canvases[:4]]))
+    assert got.group_ids.tolist() == [1] * 4 + [2] * 4
+    replayed = OldPolicy(model).scores(got, 4)
+    committed = got.action_steps >= 0
+    torch.testing.assert_close(replayed[committed], got.log_probs[committed], rtol=0, atol=1e-6)

@@ -21,6 +21,7 @@ from diffusionrl.run import RUN_CONTROL_KEYS, Callback, CheckpointState, RunLoop
 
 from . import trace as trace_store
 from .config import BDLMConfig
+from .dynamic_sampling import REFILL_GROUP_OFFSET, concat_rows, keep_groups
 from .evaluation import decode_examples
 from .grpo import TraceGRPO
 from .loading import load_bdlm
@@ -83,19 +84,20 @@ class BDLMBackend:
         return meta
 
     # -- one step --------------------------------------------------------------------------------
-    def sample_batch(self, step: int) -> tuple[list[Example], torch.Tensor, torch.Tensor]:
-        """Prompts (each repeated ``group_size`` times), group ids and per-row seeds of ``step``."""
+    def sample_batch(self, step: int, attempt: int = 0) -> tuple[list[Example], torch.Tensor, torch.Tensor]:
+        """Prompts (each repeated ``group_size`` times), group ids and per-row seeds of ``step``
+        (``attempt`` > 0: dapo's refill batches, drawn from their own seeded stream)."""
         gc = self.cfg.grpo
-        rng = np.random.default_rng([gc.seed, step])
+        rng = np.random.default_rng([gc.seed, step] + ([attempt] if attempt else []))
         picked = rng.choice(len(self.splits.train), size=gc.prompts_per_step, replace=False)
         examples = [self.splits.train[int(i)] for i in picked for _ in range(gc.group_size)]
         group_ids = torch.arange(step * gc.prompts_per_step,
                                  (step + 1) * gc.prompts_per_step).repeat_interleave(gc.group_size)
         seeds = torch.as_tensor(rng.integers(0, 2**31 - 1, size=len(examples)), dtype=torch.int64)
-        return examples, group_ids, seeds
+        return examples, group_ids + attempt * REFILL_GROUP_OFFSET, seeds
 
-    def rollout(self, step: int) -> tuple[TraceBatch, list[Example]]:
-        examples, group_ids, seeds = self.sample_batch(step)
+    def rollout(self, step: int, attempt: int = 0) -> tuple[TraceBatch, list[Example]]:
+        examples, group_ids, seeds = self.sample_batch(step, attempt)
         mb = self.cfg.grpo.micro_batch_size
         if self.kind in ("diffusiongemma", "llada2"):  # the stock pipelines, recorded
             from dataclasses import replace
@@ -141,11 +143,40 @@ class BDLMBackend:
         }
         return trace.with_rewards(rewards, parts, adv.advantages), adv.active, metrics
 
+    def refill(self, step: int, trace, active: torch.Tensor, metrics: dict[str, float]):
+        """dapo's dynamic sampling (``dynamic_sampling``): further batches until the step holds
+        ``prompts_per_step`` groups with reward variance or ``dapo_max_refills`` were drawn.
+        Reward metrics stay those of the first batch; ``rollout/dapo/*`` count the refill."""
+        gc = self.cfg.grpo
+        traces, actives, attempt = [trace], [active], 0
+
+        def groups() -> int:
+            return sum(len(torch.unique(t.group_ids[a])) for t, a in zip(traces, actives))
+
+        while groups() < gc.prompts_per_step and attempt < gc.dapo_max_refills:
+            attempt += 1
+            extra, examples = self.rollout(step, attempt)
+            extra, extra_active, _ = self.score(extra, examples)
+            traces.append(extra)
+            actives.append(extra_active)
+        keep = keep_groups(torch.cat(actives), torch.cat([t.group_ids for t in traces]), gc.prompts_per_step)
+        if attempt and bool(keep.any()):  # else: the first batch as it is (nothing to learn from)
+            mb = gc.micro_batch_size
+            rows = torch.nonzero(keep.view(-1, mb).any(1).repeat_interleave(mb)).flatten()  # whole micro-batches
+            trace, active = concat_rows(traces, rows), keep[rows]
+        kept = len(torch.unique(trace.group_ids[active]))
+        metrics.update({"rollout/dapo/refill_batches": float(attempt), "rollout/active_groups": float(kept),
+                        "rollout/dapo/missing_groups": float(max(0, gc.prompts_per_step - kept))})
+        return trace, active
+
     def run_step(self, step: int) -> tuple[TraceBatch, dict[str, float]]:
         t0 = time.perf_counter()
         trace, examples = self.rollout(step)
         t1 = time.perf_counter()
         trace, active, metrics = self.score(trace, examples)
+        if self.cfg.grpo.objective == "dapo" and self.cfg.grpo.dapo_max_refills:
+            trace, active = self.refill(step, trace, active, metrics)
+            t1 = time.perf_counter()  # rollout time includes the refill batches
         t2 = time.perf_counter()
         metrics.update(self.objective.train_step(self.optimizer, trace, active))
         t3 = time.perf_counter()

@@ -131,6 +131,10 @@ class GRPOConfig:
     clip_range_high: NonNegativeFloat = option(
         0.0, "dapo: upper clip epsilon (clip-higher, e.g. 0.28); 0 uses clip_range"
     )
+    dapo_max_refills: NonNegativeInt = option(
+        3, "dapo: extra rollout batches per step at most, drawn to refill the groups without reward variance "
+        "(dynamic sampling; 0: filter only)"
+    )
     teacher: str = option("", "opd: the teacher's model folder (same model kind as the student; never updated)")
     opd_temperature: PositiveFloat = option(
         1.0, "opd: distillation temperature tau of the forward KL (scaled by tau^2)"

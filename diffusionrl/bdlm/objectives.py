@@ -6,7 +6,7 @@ in four places, all here:
 | objective | advantages | ratio clip | equal-reward groups | loss denominator |
 | --- | --- | --- | --- | --- |
 | grpo | ``(r - mean_g) / std_g`` | ``[1 - eps, 1 + eps]`` | dropped | the step's action weight |
-| dapo | ``(r - mean_g) / std_g`` | ``[1 - eps, 1 + eps_high]`` | dropped (dynamic sampling) | same (token level) |
+| dapo | ``(r - mean_g) / std_g`` | ``[1 - eps, 1 + eps_high]`` | refilled (``dynamic_sampling``) | same (token level) |
 | dr_grpo | ``r - mean_g`` (no std) | ``[1 - eps, 1 + eps]`` | kept (advantage 0) | ``B * G``, a constant |
 | opd | none (no reward in the loss) | none | kept | the step's action weight |
 
