@@ -1,22 +1,25 @@
-"""The shape-edit task's baselines: what the strict ``shape_edit`` judge gives the expected targets,
-the unedited inputs (a copy of the source image), and a blank picture, per category.
+"""The shape-edit task judged by the strict ``shape_edit`` judge, per category: baselines, and a model's edits.
 
 Loads ``builtin:shape-edits:N`` (``--rows`` training rows; the held-out rows in proportion to
 ``--test-fraction``, as a run would), judges each baseline on the ``--split`` rows and prints one
 JSON line: per baseline, success (exact), the partial-credit score and ``unchanged`` (the objects
 the edit leaves alone found in place) per category and overall (the mean of the categories, as
-GenEval's overall). The target must score 1.0 everywhere and the copy must succeed nowhere: this
-bench is the judge's calibration. ``--model`` would add a model's edits of the same rows; no
-image-editing model family exists on this branch yet (the rows' input image reaches no adapter), so
-it stops saying so.
+GenEval's overall). The baselines: the expected targets (must score 1.0 everywhere: the judge's
+calibration), the unedited inputs (a copy of the source image: must succeed nowhere) and a blank picture.
 
-    python bench/shape_edits.py [--rows N] [--split test|train|all] [--seed S] [--test-fraction F] [--model M]
+``--model M`` (an editing model, e.g. ``builtin:tiny-flux-kontext-shapes``) adds its edits of the same rows,
+sampled as the ``tiny-cpu-shape-edits`` preset's evaluation does (ODE, ``--steps``, ``--seeds`` seeds per
+row from the evaluation seed, CFG-free), and ``--lora DIR`` those of the model with a LoRA a run wrote (same
+seeds). ``--grid PATH`` writes a PNG of the first ``--grid-rows`` samples, one column each, bands from top
+to bottom: input | expected target | model's edit | tuned edit (with ``--lora``).
+
+    python bench/shape_edits.py [--rows N] [--split test|train|all] [--seed S] [--test-fraction F]
+        [--model M [--lora DIR] [--steps T] [--seeds K] [--grid PATH]]
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 
 import _common  # sets sys.path and offline env
@@ -25,6 +28,7 @@ from PIL import Image
 
 from diffusionrl.config import DataConfig, RewardConfig
 from diffusionrl.data import load_prompts
+from diffusionrl.data.images import row_images
 from diffusionrl.data.shape_edits import CATEGORIES
 from diffusionrl.data.shapes import draw_scene
 from diffusionrl.rewards import build_reward, prompt_validator
@@ -35,7 +39,7 @@ def baselines(rows: list[dict]) -> dict[str, np.ndarray]:
     targets = [json.loads(r["target"]) for r in rows]
     return {
         "target": np.stack([draw_scene(t["objects"], t["resolution"]) for t in targets]),
-        "copy": np.stack([np.asarray(Image.open(io.BytesIO(r["image"])).convert("RGB")) for r in rows]),
+        "copy": np.stack(row_images(rows)),  # the rows' input images (data: URIs once loaded)
         "blank": np.full((len(rows), 64, 64, 3), 255, np.uint8),
     }
 
@@ -52,23 +56,64 @@ def judged(images: np.ndarray, rows: list[dict]) -> dict:
     return {"overall": overall, "per_category": per, "failures": result.failures}
 
 
+def model_edits(args, rows: list[dict]) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """The model's (and with ``--lora`` the tuned model's) edits of ``rows``, ``--seeds`` samples each,
+    and the rows of the samples (row-major, as the evaluation orders them)."""
+    import copy
+
+    from diffusionrl.config import load_config
+    from diffusionrl.evaluation import eval_samples, eval_spec
+    from diffusionrl.models import load_adapter
+    from diffusionrl.rollout.local import LocalRolloutEngine
+
+    cfg = load_config("tiny-cpu-shape-edits", overrides=[f"model.name={args.model}", f"eval.num_steps={args.steps}"])
+    prompts, groups, seeds, metadata = eval_samples(rows, args.seeds, cfg.eval.seed)
+    adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
+    transformers = {"model": adapter.transformer}
+    if args.lora:
+        from peft import PeftModel
+
+        transformers["tuned"] = PeftModel.from_pretrained(copy.deepcopy(adapter.transformer), args.lora).eval()
+    spec = eval_spec(cfg)
+    images = {name: LocalRolloutEngine(adapter, t, 16).generate(prompts, groups, seeds, spec, None, metadata).images
+              for name, t in transformers.items()}
+    return images, [rows[g] for g in groups]
+
+
+def write_grid(path: str, bands: list[np.ndarray], n: int) -> None:
+    from diffusionrl.video import side_by_side, stacked
+
+    Image.fromarray(stacked([side_by_side(b[:n]) for b in bands])).save(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256, help="training rows (builtin:shape-edits:N)")
     parser.add_argument("--split", choices=("test", "train", "all"), default="test")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--test-fraction", type=float, default=0.2)
-    parser.add_argument("--model", default=None, help="an image-editing model to judge too (not available yet)")
+    parser.add_argument("--model", default=None, help="an image-editing model to judge too")
+    parser.add_argument("--lora", default=None, help="a LoRA folder a run wrote for --model: its edits too")
+    parser.add_argument("--steps", type=int, default=20, help="ODE steps of the model's edits")
+    parser.add_argument("--seeds", type=int, default=1, help="samples per row")
+    parser.add_argument("--grid", default=None, help="PNG: input | target | model | tuned, one column per sample")
+    parser.add_argument("--grid-rows", type=int, default=15, help="samples in the grid")
     args = parser.parse_args()
-    if args.model:
-        raise SystemExit(f"--model {args.model}: no image-editing model family is on this branch yet (the rows' "
-                         "source image reaches no adapter); the baselines run without --model")
+    if args.lora and not args.model:
+        raise SystemExit("--lora needs --model (the model the LoRA was trained on)")
     cfg = DataConfig(source=f"builtin:shape-edits:{args.rows}", test_fraction=args.test_fraction, seed=args.seed)
     prompts = load_prompts(cfg, validate=prompt_validator(RewardConfig(weights={"shape_edit": 1.0})))
     rows = {"test": prompts.test, "train": prompts.train, "all": prompts.train + prompts.test}[args.split]
-    _common.emit({"source": cfg.source, "split": args.split, "rows": len(rows),
-                  "rows_per_category": {c: sum(r["category"] == c for r in rows) for c in CATEGORIES},
-                  **{name: judged(images, rows) for name, images in baselines(rows).items()}})
+    results = {name: judged(images, rows) for name, images in baselines(rows).items()}
+    if args.model:
+        edits, sample_rows = model_edits(args, rows)
+        results.update({name: judged(images, sample_rows) for name, images in edits.items()})
+        if args.grid:
+            expected = baselines(sample_rows)
+            write_grid(args.grid, [expected["copy"], expected["target"], *edits.values()], args.grid_rows)
+    _common.emit({"source": cfg.source, "split": args.split, "rows": len(rows), "model": args.model,
+                  "lora": args.lora, "steps": args.steps if args.model else None, "seeds": args.seeds,
+                  "rows_per_category": {c: sum(r["category"] == c for r in rows) for c in CATEGORIES}, **results})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2, Wan2.2 and FLUX.1 Kontext.
+"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2, Wan2.2, FLUX.1 Kontext and
+shape edits.
 
 ``TINY_EXT_PRESETS`` are laid over ``presets.TINY_CPU`` (as every ``tiny-cpu-*`` preset);
 ``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both, and
@@ -218,12 +219,31 @@ TINY_CPU_FLUX_KONTEXT: dict[str, Any] = {
     "tracking": {"registered_model": "tiny-flux-kontext-jpeg"},
 }
 
+# Over TINY_CPU: edit success in miniature. DiffusionNFT on builtin:tiny-flux-kontext-shapes (FLUX.1 Kontext
+# pretrained to edit shapes-world scenes by diffusionrl.models.pretrain_edit, on the training split of the same
+# data.test_fraction and data.seed) with the strict shape_edit reward on builtin:shape-edits rows, CFG-free (the
+# transformer has no guidance embedding: guidance_scale is not an input), each group re-noised with shared noise,
+# as tiny-cpu-shapes does for generation. Instructions take up to 17 T5 tokens (the edit verbs are characters).
+TINY_CPU_SHAPE_EDITS: dict[str, Any] = {
+    "data": {"source": "builtin:shape-edits", "num_prompts": 256, "test_fraction": 0.2, "seed": 0},
+    "model": {"name": "builtin:tiny-flux-kontext-shapes", "max_sequence_length": 20,
+              "lora_targets": TINY_CPU_FLUX_KONTEXT["model"]["lora_targets"]},
+    "reward": {"weights": {"shape_edit": 1.0}},
+    "algorithm": {"name": "nft", "kl_beta": 0.0, "group_renoise": True},
+    "sampling": {"guidance_scale": 1.0},
+    "train": {"learning_rate": 1e-3, "steps": 30},
+    # every held-out row (13 per category), 2 seeds each in the final evaluation; a probe of all every 5 steps
+    "eval": {"num_prompts": 0, "seeds_per_prompt": 2, "every": 5, "probe_prompts": 0, "guidance_scale": 1.0},
+    "tracking": {"registered_model": "tiny-flux-kontext-shapes"},
+}
+
 TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-mixgrpo": (TINY_CPU_MIXGRPO,),
     "tiny-cpu-zimage": (TINY_CPU_ZIMAGE,),
     "tiny-cpu-flux2": (TINY_CPU_FLUX2,),
     "tiny-cpu-flux2-klein": (TINY_CPU_FLUX2_KLEIN,),
     "tiny-cpu-flux-kontext": (TINY_CPU_FLUX_KONTEXT,),
+    "tiny-cpu-shape-edits": (TINY_CPU_SHAPE_EDITS,),
 }
 GPU_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "zimage-turbo-pickscore": (ZIMAGE_TURBO_PICKSCORE,),

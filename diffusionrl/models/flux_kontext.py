@@ -51,6 +51,13 @@ class FluxKontextAdapter(FluxAdapter):
     def build_tiny():
         return build_tiny_flux_kontext_pipeline()
 
+    @classmethod
+    def builtins(cls) -> dict:
+        # builtin:tiny-flux-kontext-shapes: edits shapes-world scenes (models/tiny_flux_shapes.py, shipped weights)
+        from .tiny_flux_shapes import KONTEXT_SHAPES_REF, build_kontext_shapes_pipeline
+
+        return {**super().builtins(), KONTEXT_SHAPES_REF: build_kontext_shapes_pipeline}
+
     def reference_size(self, height: int, width: int, resolution: int) -> tuple[int, int]:
         """``(height, width)`` in pixels the input image is encoded at (see the module docstring)."""
         multiple = self.vae_scale_factor * 2

@@ -57,7 +57,37 @@ def _lr(step: int, base: float, warmup: int, total: int) -> float:
     return base * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-class Pretrainer:
+class Checkpointed:
+    """What both pretraining scripts share (``pretrain_edit.py`` too): ``curves.jsonl`` lines, a save every
+    ``--save-every`` steps and on a stop signal (``Stop`` after saving). Needs ``args`` (``log_every``,
+    ``save_every``), ``work``, ``state`` (with ``wall_s``), ``t0``, ``stop`` and ``save()``."""
+
+    def _log(self, stage: str, step: int, losses: list[float]) -> None:
+        wall = self.state["wall_s"] + time.perf_counter() - self.t0
+        row = {"stage": stage, "step": step, "loss": float(np.mean(losses)), "wall_s": round(wall, 1)}
+        with (self.work / "curves.jsonl").open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    def _tick(self, stage: str, step: int, losses: list[float]) -> None:
+        a = self.args
+        if (step + 1) % a.log_every == 0:
+            self._log(stage, step + 1, losses[-a.log_every:])
+        if (step + 1) % a.save_every == 0 or self.stop:
+            self.save()
+        if self.stop:
+            raise Stop
+
+    def catch_signals(self) -> None:
+        """SIGTERM/SIGINT (e.g. from ``timeout``) end the run at the next step, after a save."""
+        def on_signal(signum, _frame):
+            self.stop = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+
+class Pretrainer(Checkpointed):
     def __init__(self, args):
         self.args = args
         self.work = Path(args.work)
@@ -112,22 +142,6 @@ class Pretrainer:
                     "denoiser": self.denoiser.state_dict(), "ema": self.ema, "vae_opt": self.vae_opt.state_dict(),
                     "tr_opt": self.tr_opt.state_dict(), "state": self.state}, tmp)
         os.replace(tmp, self.work / "state.pt")
-
-    def _log(self, stage: str, step: int, losses: list[float]) -> None:
-        wall = self.state["wall_s"] + time.perf_counter() - self.t0
-        row = {"stage": stage, "step": step, "loss": float(np.mean(losses)), "wall_s": round(wall, 1)}
-        with (self.work / "curves.jsonl").open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
-
-    def _tick(self, stage: str, step: int, losses: list[float]) -> None:
-        a = self.args
-        if (step + 1) % a.log_every == 0:
-            self._log(stage, step + 1, losses[-a.log_every:])
-        if (step + 1) % a.save_every == 0 or self.stop:
-            self.save()
-        if self.stop:
-            raise Stop
 
     # -- stages --------------------------------------------------------------------------------------
     def train_vae(self) -> None:
@@ -269,12 +283,7 @@ def main(argv=None) -> dict | None:
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer = Pretrainer(args)
-
-    def on_signal(signum, _frame):
-        trainer.stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    trainer.catch_signals()
     try:
         trainer.train_vae()
         trainer.train_transformer()
