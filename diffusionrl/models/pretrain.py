@@ -86,8 +86,30 @@ class Checkpointed:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
+    def progress(self) -> dict:
+        """Where a stopped run is (its steps), for the line ``run`` prints."""
+        raise NotImplementedError
+
+    def run(self, out: Path, *stages) -> dict | None:
+        """The command's body: catch stop signals, run ``stages`` in order, export to ``out`` and print
+        and return the summary; a stop signal ends it after a save, printing where (``progress``), and
+        returns None."""
+        self.catch_signals()
+        try:
+            for stage in stages:
+                stage()
+        except Stop:
+            print(json.dumps({"stopped": True, **self.progress(), "work": str(self.work)}), flush=True)
+            return None
+        summary = self.export(out)
+        print(json.dumps(summary), flush=True)
+        return summary
+
 
 class Pretrainer(Checkpointed):
+    def progress(self) -> dict:
+        return {"vae_step": self.state["vae_step"], "transformer_step": self.state["tr_step"]}
+
     def __init__(self, args):
         self.args = args
         self.work = Path(args.work)
@@ -283,17 +305,7 @@ def main(argv=None) -> dict | None:
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer = Pretrainer(args)
-    trainer.catch_signals()
-    try:
-        trainer.train_vae()
-        trainer.train_transformer()
-    except Stop:
-        print(json.dumps({"stopped": True, "vae_step": trainer.state["vae_step"],
-                          "transformer_step": trainer.state["tr_step"], "work": str(trainer.work)}), flush=True)
-        return None
-    summary = trainer.export(Path(args.out))
-    print(json.dumps(summary), flush=True)
-    return summary
+    return trainer.run(Path(args.out), trainer.train_vae, trainer.train_transformer)
 
 
 if __name__ == "__main__":

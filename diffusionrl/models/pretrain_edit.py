@@ -34,7 +34,7 @@ import torch
 from diffusionrl.data.shape_edits import edit_rows, edit_splits
 from diffusionrl.data.shapes import draw_scene
 
-from .pretrain import Checkpointed, Stop, _lr
+from .pretrain import Checkpointed, _lr
 from .tiny_flux_shapes import KONTEXT_SHAPES_WEIGHTS, MAX_SEQUENCE_LENGTH, build_kontext_shapes_pipeline
 from .tiny_shapes import SCHEDULER_SHIFT
 
@@ -60,6 +60,9 @@ def architecture(args) -> dict:
 
 
 class EditPretrainer(Checkpointed):
+    def progress(self) -> dict:
+        return {"step": self.state["step"]}
+
     def __init__(self, args):
         from .flux_kontext import FluxKontextAdapter
 
@@ -208,15 +211,7 @@ def main(argv=None) -> dict | None:
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer = EditPretrainer(args)
-    trainer.catch_signals()
-    try:
-        trainer.train()
-    except Stop:
-        print(json.dumps({"stopped": True, "step": trainer.state["step"], "work": str(trainer.work)}), flush=True)
-        return None
-    summary = trainer.export(Path(args.out))
-    print(json.dumps(summary), flush=True)
-    return summary
+    return trainer.run(Path(args.out), trainer.train)
 
 
 if __name__ == "__main__":
