@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -42,6 +43,20 @@ TINY_OVERRIDES = [
 
 def tiny_config(*extra: str, preset: str = "tiny-cpu"):
     return load_config(preset, overrides=TINY_OVERRIDES + list(extra))
+
+
+@contextlib.contextmanager
+def started_loop(cfg, folder):
+    """A training loop of ``cfg`` in ``folder`` whose rollout engine holds the policy's weights (version 0),
+    closed on leaving: the module-scoped ``loop`` fixtures of the family and objective tests."""
+    from diffusionrl.train import build_loop
+
+    lp = build_loop(cfg, folder, progress=False)
+    try:
+        lp.backend.push_weights(0)
+        yield lp
+    finally:
+        lp.close()
 
 
 def saved_lora(run_dir):

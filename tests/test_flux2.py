@@ -21,9 +21,8 @@ from diffusionrl.models import (
 )
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
-from diffusionrl.train import build_loop
 
-from .conftest import tiny_config
+from .conftest import started_loop, tiny_config
 from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -91,10 +90,8 @@ def test_decode_is_the_stock_pipelines_and_encode_images_inverts_its_layout(flux
 @pytest.fixture(scope="module", params=["tiny-cpu-flux2", "tiny-cpu-flux2-klein"])
 def loop(request, tmp_path_factory):
     cfg = tiny_config("algorithm.kl_beta=0.04", preset=request.param)
-    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
-    lp.backend.push_weights(0)
-    yield lp
-    lp.close()
+    with started_loop(cfg, tmp_path_factory.mktemp("loop")) as lp:
+        yield lp
 
 
 @pytest.fixture(scope="module")

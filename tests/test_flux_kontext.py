@@ -28,7 +28,7 @@ from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
 from diffusionrl.trajectory import TrajectoryWriter, list_step_files, read_trajectory
 
-from .conftest import tiny_config
+from .conftest import started_loop, tiny_config
 from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -139,10 +139,8 @@ def edits(tmp_path_factory):
 def loop(tmp_path_factory, edits):
     cfg = tiny_config("algorithm.kl_beta=0.04", f"data.source={edits}", "data.test_fraction=0.2",
                       preset="tiny-cpu-flux-kontext")
-    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
-    lp.backend.push_weights(0)
-    yield lp
-    lp.close()
+    with started_loop(cfg, tmp_path_factory.mktemp("loop")) as lp:
+        yield lp
 
 
 @pytest.fixture(scope="module")

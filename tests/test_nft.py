@@ -13,7 +13,7 @@ from diffusionrl.train import build_loop
 from diffusionrl.training.nft import TimestepPlan
 from diffusionrl.training.trainer import UpdateStats
 
-from .conftest import run_interrupted_and_uninterrupted, saved_lora, tiny_config
+from .conftest import run_interrupted_and_uninterrupted, saved_lora, started_loop, tiny_config
 
 NFT = "tiny-cpu-nft"
 
@@ -97,10 +97,8 @@ def test_gradient_at_the_reference_settings_matches_finite_differences():
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     cfg = tiny_config("algorithm.old_policy_rate=0.1", preset=NFT)
-    lp = build_loop(cfg, tmp_path_factory.mktemp("nft"), progress=False)
-    lp.backend.push_weights(0)
-    yield lp
-    lp.close()
+    with started_loop(cfg, tmp_path_factory.mktemp("nft")) as lp:
+        yield lp
 
 
 @pytest.fixture(scope="module")

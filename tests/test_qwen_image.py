@@ -20,7 +20,7 @@ from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
 from diffusionrl.trajectory import read_trajectory, write_step
 
-from .conftest import tiny_config
+from .conftest import started_loop, tiny_config
 from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -86,10 +86,8 @@ def test_token_masks_survive_the_trajectory_parquet(qwen, tmp_path):
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     cfg = tiny_config("algorithm.kl_beta=0.04", "model.max_sequence_length=64", preset="tiny-cpu-qwen-image")
-    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
-    lp.backend.push_weights(0)
-    yield lp
-    lp.close()
+    with started_loop(cfg, tmp_path_factory.mktemp("loop")) as lp:
+        yield lp
 
 
 @pytest.fixture(scope="module")

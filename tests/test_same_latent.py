@@ -10,19 +10,16 @@ from diffusionrl.config import ConfigError
 from diffusionrl.evaluation import eval_spec
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.batch import RolloutBatch
-from diffusionrl.train import build_loop
 
-from .conftest import tiny_config
+from .conftest import started_loop, tiny_config
 from .family_checks import recompute_diff, split_rel_diff
 
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     cfg = tiny_config("sampling.same_latent=true", "algorithm.kl_beta=0.04")
-    lp = build_loop(cfg, tmp_path_factory.mktemp("same"), progress=False)
-    lp.backend.push_weights(0)
-    yield lp
-    lp.close()
+    with started_loop(cfg, tmp_path_factory.mktemp("same")) as lp:
+        yield lp
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,14 @@ from diffusionrl.run import CheckpointMismatch
 from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 
-from .conftest import run_interrupted_and_uninterrupted, saved_lora, tiny_config
+from .conftest import run_interrupted_and_uninterrupted, saved_lora, started_loop, tiny_config
 
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     cfg = tiny_config("algorithm.kl_beta=0.04")
-    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
-    lp.backend.push_weights(0)
-    yield lp
-    lp.close()
+    with started_loop(cfg, tmp_path_factory.mktemp("loop")) as lp:
+        yield lp
 
 
 @pytest.fixture(scope="module")

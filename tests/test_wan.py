@@ -18,9 +18,8 @@ from diffusionrl.models import (
 )
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
-from diffusionrl.train import build_loop
 
-from .conftest import tiny_config
+from .conftest import started_loop, tiny_config
 from .family_checks import nft_one_step, recompute_diff, split_rel_diff, unchanged_after_update
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -81,10 +80,8 @@ def test_ode_sampling_equals_the_stock_wan_pipeline(wan):
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     cfg = tiny_config("algorithm.kl_beta=0.04", preset="tiny-cpu-wan")
-    lp = build_loop(cfg, tmp_path_factory.mktemp("loop"), progress=False)
-    lp.backend.push_weights(0)
-    yield lp
-    lp.close()
+    with started_loop(cfg, tmp_path_factory.mktemp("loop")) as lp:
+        yield lp
 
 
 @pytest.fixture(scope="module")
