@@ -70,22 +70,39 @@ def curves_png(metrics: pd.DataFrame) -> np.ndarray | None:
     return image
 
 
-def category_table(eval_table: pd.DataFrame | None) -> pd.DataFrame | None:
-    """GenEval's table: per category the samples and the base and tuned accuracy, then ``overall`` by
-    GenEval's rule (the mean of the category accuracies, each category counting once however many
-    prompts it holds) and ``all samples`` (the mean over samples), from an evaluation table with a
-    ``category`` column and ``base_<reward>_success`` / ``tuned_<reward>_success`` columns
-    (geneval_mini's); None for other tables."""
+def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed: int = 0) -> pd.DataFrame | None:
+    """GenEval's table: per category the prompts, the samples and the base and tuned accuracy, then
+    ``overall`` by GenEval's rule (the mean of the category accuracies, each category counting once
+    however many prompts it holds) and ``all samples`` (the mean over samples), from an evaluation table
+    with a ``category`` column and ``base_<reward>_success`` / ``tuned_<reward>_success`` columns
+    (geneval_mini's); None for other tables.
+
+    ``gain_lo`` / ``gain_hi``: the 5th and 95th percentiles of each row's gain over ``resamples`` paired
+    bootstrap draws of the samples, within each category (a category of one prompt and a few seeds moves
+    ``overall`` as much as one of fourteen prompts: the interval says how far the seeds alone move it)."""
     if eval_table is None or "category" not in eval_table:
         return None
     base = next((c for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")), None)
     if base is None:
         return None
     tuned = "tuned_" + base[len("base_"):]
-    table = eval_table.groupby("category").agg(prompts=("prompt", "size"), base=(base, "mean"), tuned=(tuned, "mean"))
-    table.loc["overall"] = [len(eval_table), table["base"].mean(), table["tuned"].mean()]
-    table.loc["all samples"] = [len(eval_table), eval_table[base].mean(), eval_table[tuned].mean()]
+    table = eval_table.groupby("category").agg(prompts=("prompt", "nunique"), samples=("prompt", "size"),
+                                                base=(base, "mean"), tuned=(tuned, "mean"))
+    n_prompts = eval_table["prompt"].nunique()
+    table.loc["overall"] = [n_prompts, len(eval_table), table["base"].mean(), table["tuned"].mean()]
+    table.loc["all samples"] = [n_prompts, len(eval_table), eval_table[base].mean(), eval_table[tuned].mean()]
     table["gain"] = table["tuned"] - table["base"]
+    # paired, stratified bootstrap: each draw resamples every category's samples with replacement
+    rng = np.random.default_rng(seed)
+    cats = [c for c in table.index if c not in ("overall", "all samples")]
+    diff = {c: (eval_table.loc[eval_table["category"] == c, tuned].to_numpy(float)
+                - eval_table.loc[eval_table["category"] == c, base].to_numpy(float)) for c in cats}
+    draws = {c: d[rng.integers(0, len(d), (resamples, len(d)))] for c, d in diff.items()}
+    gains = {c: v.mean(axis=1) for c, v in draws.items()}
+    gains["overall"] = np.mean([gains[c] for c in cats], axis=0)
+    gains["all samples"] = np.concatenate([draws[c] for c in cats], axis=1).mean(axis=1)
+    table["gain_lo"] = [float(np.percentile(gains[c], 5)) for c in table.index]
+    table["gain_hi"] = [float(np.percentile(gains[c], 95)) for c in table.index]
     return table.reset_index()
 
 

@@ -153,6 +153,11 @@ def test_report_shows_the_per_category_table_and_prompts_side_by_side():
     # GenEval's overall: the mean of the categories (single 1 -> 1, counting 0 -> 0.5), not of the samples
     assert per.loc["overall", "base"] == 0.5 and per.loc["overall", "gain"] == pytest.approx(0.25)
     assert per.loc["all samples", "prompts"] == 3 and per.loc["all samples", "gain"] == pytest.approx(1 / 3)
+    assert per.loc["counting", "prompts"] == 2 and per.loc["counting", "samples"] == 2
+    # the seeds' spread: a category whose samples all agree has none, counting's two samples give 0 .. 1
+    assert per.loc["single", "gain_lo"] == per.loc["single", "gain_hi"] == 0.0
+    assert (per.loc["counting", "gain_lo"], per.loc["counting", "gain_hi"]) == (0.0, 1.0)
+    assert per.loc["overall", "gain_lo"] <= 0.25 <= per.loc["overall", "gain_hi"]
     assert category_table(table.drop(columns="category")) is None
     grid = np.zeros((2 * 16, 3 * 16, 3), np.uint8)
     page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=None, grid=grid)
