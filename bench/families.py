@@ -15,10 +15,14 @@
   step's, in units of the first step's reward std (target >= 2 within 10 minutes).
 
 A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
-from the preset's model reference).
+from the preset's model reference). An editing family (``adapter.editing``: FLUX.1 Kontext) edits the
+input images of its preset's prompt rows (``builtin:shape-edits``: an instruction and its source scene):
+our engine gets them as the rows' metadata, the stock pipeline as ``image=`` (a list, one per prompt),
+at the sample's area without Kontext's preferred-resolution resize (``max_area``, ``_auto_resize=False``),
+as ``tests/test_flux_kontext.py`` calls it.
 
-    python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,wan22] [--budget-s 600] [--repeats 5]
-                             [--threads 1] [--skip-learning]
+    python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,flux2-klein,wan22,flux-kontext]
+                             [--budget-s 600] [--repeats 5] [--threads 1] [--skip-learning]
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import torch
 from learning import run as learning_run
 
 from diffusionrl.config import load_config
+from diffusionrl.data import load_prompts
+from diffusionrl.data.images import row_images
 from diffusionrl.models import load_adapter
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
@@ -44,7 +50,7 @@ from diffusionrl.training.trainer import UpdateStats
 # family -> its tiny preset
 FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan",
             "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "flux2-klein": "tiny-cpu-flux2-klein",
-            "wan22": "tiny-cpu-wan22"}
+            "wan22": "tiny-cpu-wan22", "flux-kontext": "tiny-cpu-flux-kontext"}
 # The learning run's reward where it is not jpeg_compressibility alone: a video family learns its
 # preset's reward, per-frame JPEG compressibility + temporal consistency (on tiny-wan, 40 steps: the
 # per-frame JPEG reward alone gains ~0.7 first-step stds, the sum ~6).
@@ -54,10 +60,26 @@ PROMPTS = ["a red cat on the beach", "a blue car in the city", "a small house", 
            "a green tree", "a black dog", "a silver robot", "a wooden boat"]
 
 
-def stock(adapter, spec: SamplingSpec, **kwargs):
-    """The stock pipeline's ``__call__`` at ``spec``'s size (and frame count, for a video family):
-    its ``.frames`` (video) or ``.images``."""
+def inputs(adapter, cfg, n: int, group: int = 1) -> tuple[list[str], list[dict] | None]:
+    """``n`` prompts, ``group`` consecutive ones alike, and for an editing family the rows' metadata
+    with their input images (the preset's training rows), else None."""
+    if not adapter.editing:
+        return [PROMPTS[(i // group) % len(PROMPTS)] for i in range(n)], None
+    rows = load_prompts(cfg.data).train
+    picked = [rows[(i // group) % len(rows)] for i in range(n)]
+    return [r["prompt"] for r in picked], [{k: v for k, v in r.items() if k != "prompt"} for r in picked]
+
+
+def stock(adapter, spec: SamplingSpec, metadata: list[dict] | None = None, **kwargs):
+    """The stock pipeline's ``__call__`` at ``spec``'s size (and frame count, for a video family), with
+    the rows' input images for an editing family: its ``.frames`` (video) or ``.images``."""
+    from PIL import Image
+
     frames = {"num_frames": spec.num_frames} if adapter.video else {}
+    references = row_images(metadata)
+    if references is not None:  # the input images at the sample's area, as our engine encodes them
+        frames.update(image=[Image.fromarray(im) for im in references], max_area=spec.resolution ** 2,
+                      _auto_resize=False)
     out = adapter.pipe(num_inference_steps=spec.num_steps, height=spec.resolution, width=spec.resolution,
                        max_sequence_length=spec.max_sequence_length, **frames,
                        **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * len(kwargs["prompt"])),
@@ -65,12 +87,14 @@ def stock(adapter, spec: SamplingSpec, **kwargs):
     return out.frames if adapter.video else out.images
 
 
-def ode_parity(adapter, spec: SamplingSpec, batch: int = 4) -> float:
+def ode_parity(adapter, cfg, spec: SamplingSpec, batch: int = 4) -> float:
     spec = dataclasses.replace(spec, sde_type="ode")
-    prompts, seeds = PROMPTS[:batch], list(range(batch))
-    traj = LocalRolloutEngine(adapter, adapter.transformer, batch).generate(prompts, list(range(batch)), seeds, spec)
+    (prompts, metadata), seeds = inputs(adapter, cfg, batch), list(range(batch))
+    traj = LocalRolloutEngine(adapter, adapter.transformer, batch).generate(prompts, list(range(batch)), seeds, spec,
+                                                                            metadata=metadata)
     x0 = traj.latents[:, 0]  # the engine's initial noise, drawn from each sample's seed
-    out = stock(adapter, spec, prompt=prompts, latents=adapter.to_pipeline_latents(x0), output_type="latent")
+    out = stock(adapter, spec, metadata, prompt=prompts, latents=adapter.to_pipeline_latents(x0),
+                output_type="latent")
     return float((adapter.from_pipeline_latents(out, spec.resolution) - traj.latents[:, -1]).abs().max())
 
 
@@ -99,19 +123,19 @@ def exactness(preset: str) -> dict:
     return {"recompute_mean_abs": diff, "recompute_pairs": pairs, "grad_split_max_rel": rel}
 
 
-def speed(adapter, spec: SamplingSpec, images: int, repeats: int) -> dict:
+def speed(adapter, cfg, spec: SamplingSpec, images: int, repeats: int) -> dict:
     group = 4
-    prompts = [PROMPTS[(i // group) % len(PROMPTS)] for i in range(images)]
+    prompts, metadata = inputs(adapter, cfg, images, group)
     groups, seeds = [i // group for i in range(images)], list(range(images))
     engine = LocalRolloutEngine(adapter, adapter.transformer, micro_batch_size=images)
     adapter.pipe.set_progress_bar_config(disable=True)
 
     def ours() -> None:
-        engine.generate(prompts, groups, seeds, spec)
+        engine.generate(prompts, groups, seeds, spec, metadata=metadata)
 
     def theirs() -> None:
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        stock(adapter, spec, prompt=prompts, output_type="np", generator=generators)
+        stock(adapter, spec, metadata, prompt=prompts, output_type="np", generator=generators)
 
     for fn in (ours, theirs):  # warm-up
         fn()
@@ -146,8 +170,8 @@ def main() -> None:
         spec = SamplingSpec.from_config(cfg)
         result = {"family": family, "preset": preset, "model": cfg.model.name, "resolution": spec.resolution,
                   "steps": spec.num_steps, "guidance_scale": spec.guidance_scale,
-                  "ode_parity_max_abs": ode_parity(adapter, spec), **exactness(preset),
-                  **speed(adapter, spec, args.images, args.repeats)}
+                  "ode_parity_max_abs": ode_parity(adapter, cfg, spec), **exactness(preset),
+                  **speed(adapter, cfg, spec, args.images, args.repeats)}
         if not args.skip_learning:
             learned = learning_run(None, None, args.budget_s, LEARNING_OVERRIDES.get(family, []), preset=preset)
             result["learning"] = {k: learned[k] for k in ("gain_in_std", "steps", "wall_s", "reward_first",

@@ -4,11 +4,16 @@ Variants (each ``tiny-cpu``'s model, data, batch and learning rate, jpeg_compres
 - ``flow_grpo_all``: Flow-GRPO with every step but the last stochastic and trained (``step_strategy=all``);
 - ``flow_grpo_fast``: the ``tiny-cpu`` preset (a 2-step SDE window at a random place in [0, 5) per group);
 - ``mixgrpo``: the ``tiny-cpu-mixgrpo`` preset (one 2-step window for all groups, sliding);
-- ``mixgrpo_flash``: the same with DPM-Solver++(2M) ODE steps outside the window.
+- ``mixgrpo_flash``: the same with DPM-Solver++(2M) ODE steps outside the window;
+- ``mixgrpo_compressed`` / ``mixgrpo_flash_compressed``: ``mixgrpo`` / ``mixgrpo_flash`` with MixGRPO-Flash's
+  time-step compression, the ODE steps after the window taken as ``sampling.post_window_ode_steps=2`` larger
+  ones (of the 8 after the window at its first position; the official Flash script's ratio 0.4 gives as many).
 
 The variants' steps are interleaved (step k of each, in turn), so the machine's drift falls on all
 of them alike. Prints per variant the median step, rollout and update seconds, the total wall
-time, the first step's mean reward, the last 3 steps' and their gain in first-step stds.
+time, the first step's mean reward, the last 3 steps' and their gain in first-step stds; and under
+``ratios`` each compressed variant's median rollout and step time over its uncompressed twin's (where
+both ran).
 
     python bench/mixgrpo.py [--steps 12] [--set key=value ...]
 """
@@ -30,7 +35,10 @@ VARIANTS = {
     "flow_grpo_fast": ("tiny-cpu", []),
     "mixgrpo": ("tiny-cpu-mixgrpo", []),
     "mixgrpo_flash": ("tiny-cpu-mixgrpo", ["sampling.ode_solver=dpm2m"]),
+    "mixgrpo_compressed": ("tiny-cpu-mixgrpo", ["sampling.post_window_ode_steps=2"]),
+    "mixgrpo_flash_compressed": ("tiny-cpu-mixgrpo", ["sampling.ode_solver=dpm2m", "sampling.post_window_ode_steps=2"]),
 }
+COMPRESSED = {"mixgrpo_compressed": "mixgrpo", "mixgrpo_flash_compressed": "mixgrpo_flash"}  # variant -> its twin
 COMMON = ["reward.weights={jpeg_compressibility: 1.0}", "train.checkpoint_every=0", "train.log_images_every=0",
           "eval.every=0"]
 
@@ -69,7 +77,9 @@ def main() -> None:
                 "gain_in_std": (float(np.mean(rewards[-3:])) - rewards[0]) / std0 if std0 > 0 else float("nan"),
             }
             loops[name].close()
-    _common.emit(out)
+    ratios = {f"{name}/{twin}": {k: round(out[name][f"{k}_s"] / out[twin][f"{k}_s"], 3) for k in ("rollout", "step")}
+              for name, twin in COMPRESSED.items() if name in out and twin in out}
+    _common.emit({**out, **({"ratios": ratios} if ratios else {})})
 
 
 if __name__ == "__main__":

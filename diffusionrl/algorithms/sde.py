@@ -177,6 +177,24 @@ def mix_window_start(step: int, size: int, window_range: tuple[int, int] | list[
     return lo + stride * ((int(step) // shift_interval) % positions)
 
 
+def compressed_steps(sde_mask: np.ndarray | torch.Tensor, num_steps: int, steps: int) -> np.ndarray:
+    """MixGRPO-Flash's time-step compression: the indices into a schedule's ``sigmas`` ``[T+1]`` that a
+    rollout with the SDE steps ``sde_mask`` (``[B, T]`` or ``[T]``) samples on.
+
+    Every step up to the end ``e`` of the last SDE step (any sample's) is kept; the ``T - e`` ODE steps
+    after it, which carry no log-prob and no gradient, become ``steps`` larger ones: the sigmas at the
+    indices ``round(linspace(e, T, steps + 1))``, a subset of the schedule ending at ``sigmas[T] = 0``.
+    All indices (``arange(T + 1)``) when ``steps`` is 0, no step is stochastic, or ``steps >= T - e``.
+    """
+    mask = np.asarray(sde_mask, dtype=bool).reshape(-1, num_steps)
+    used = np.flatnonzero(mask.any(axis=0))
+    end = int(used[-1]) + 1 if used.size else num_steps
+    if steps <= 0 or steps >= num_steps - end:
+        return np.arange(num_steps + 1)
+    tail = np.floor(np.linspace(end, num_steps, steps + 1) + 0.5).astype(np.int64)  # strictly increasing
+    return np.concatenate([np.arange(end), tail])
+
+
 # -- DPM-Solver++(2M) on the flow-matching ODE (docs/algorithms.md 2) -------------------------------
 
 

@@ -240,6 +240,9 @@ def check_objective_fit(cfg) -> None:
             f"sampling.same_latent with algorithm.name={name}: its rollouts are ODE, so a group sharing its initial "
             "latent would be one image repeated (no reward spread); same_latent is for " + ", ".join(SDE_OBJECTIVES)
         )
+    if sc.post_window_ode_steps and not spec.sde:
+        raise ConfigError(f"sampling.post_window_ode_steps with algorithm.name={name}: its rollouts are all ODE, with "
+                          "no SDE window to compress after; it is for " + ", ".join(SDE_OBJECTIVES))
     if spec.sde and sc.engine == "sglang" and sc.sde_type == "dance":
         raise ConfigError(
             "sampling.sde_type=dance is not available with sampling.engine=sglang (the server samples sde or cps); "

@@ -14,7 +14,8 @@ from typing import Any
 
 # Over TINY_CPU: MixGRPO's sliding window (docs/algorithms.md 3): 2 SDE steps for every group, starting at
 # step 0 and moving one step later every 10 RL steps over [0, 6); ODE (Euler) steps outside it.
-# MixGRPO-Flash: --set sampling.ode_solver=dpm2m.
+# MixGRPO-Flash: --set sampling.ode_solver=dpm2m --set sampling.post_window_ode_steps=2 (the 8 ODE steps after
+# the window at its first position taken as 2; bench/mixgrpo.py).
 TINY_CPU_MIXGRPO: dict[str, Any] = {
     "sampling": {"step_strategy": "mix_window", "num_sde_steps": 2, "window_range": [0, 6],
                  "window_shift_interval": 10, "window_stride": 1},

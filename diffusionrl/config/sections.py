@@ -88,6 +88,11 @@ class SamplingConfig:
         "euler", "Deterministic solver for NFT rollouts, eval and the ODE steps outside an SDE window: euler | heun | "
         "dpm2m (DPM-Solver++(2M); with mix_window: MixGRPO-Flash)"
     )
+    post_window_ode_steps: NonNegativeInt = option(
+        0, "mix_window: MixGRPO-Flash's time-step compression: training rollouts take this many ODE steps after the "
+        "SDE window instead of all the schedule's remaining ones (a subset of its sigmas, evenly spaced by index, "
+        "ending at 0; no gradient flows through them); 0 = off; evaluation samples the full schedule"
+    )
     same_latent: bool = option(False, "Training rollouts: a group's samples start from one initial latent (the "
                                "group's first seed; flow_grpo's sample.same_latent, DanceGRPO's init_same_noise), so "
                                "their reward spread comes from the trained SDE steps alone")
@@ -154,8 +159,21 @@ class SamplingConfig:
                     f"sampling.candidate_steps has {len(set(self.candidate_steps))} distinct steps, fewer "
                     f"than num_sde_steps={self.num_sde_steps}"
                 )
+        if self.post_window_ode_steps:
+            self._check_compression()
         if self.engine == "sglang":
             self._check_sglang()
+
+    def _check_compression(self) -> None:
+        k = self.post_window_ode_steps
+        if self.step_strategy != "mix_window" or self.sde_type == "ode":
+            raise ConfigError(f"sampling.post_window_ode_steps={k} compresses the ODE steps after MixGRPO's SDE "
+                              "window: it needs sampling.step_strategy=mix_window and a stochastic sde_type, not "
+                              f"step_strategy={self.step_strategy}, sde_type={self.sde_type}; use 0 (off)")
+        most = self.num_steps - self.window_range[0] - self.num_sde_steps
+        if k >= most:
+            raise ConfigError(f"sampling.post_window_ode_steps={k} never compresses: at most {most} ODE steps follow "
+                              "the window (num_steps - window_range[0] - num_sde_steps); use fewer, or 0 (off)")
 
     def _check_sglang(self) -> None:
         if self.same_latent:

@@ -28,6 +28,9 @@ class SamplingSpec:
     # a group's samples start from the initial latent of the group's first seed (sampling.same_latent: the
     # training rollouts only; from_config leaves it off, so evaluation samples never share a latent)
     same_latent: bool = False
+    # MixGRPO-Flash (sampling.post_window_ode_steps; the training rollouts only, as same_latent): the ODE steps
+    # after the last SDE step become this many larger ones (algorithms.sde.compressed_steps); 0 = off
+    post_window_ode_steps: int = 0
 
     @classmethod
     def from_config(cls, cfg, **override) -> SamplingSpec:

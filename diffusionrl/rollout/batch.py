@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diffusionrl.algorithms.sde import compressed_steps
 from diffusionrl.trajectory import Conditioning, Trajectory
 
 from .base import SamplingSpec
@@ -74,6 +75,16 @@ class RolloutBatch:
             spec=spec,
             metadata=metadata,
         )
+
+    def schedule(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The schedule the batch samples on: the model's ``sigmas [T+1]`` and ``timesteps [T]``, or with
+        ``spec.post_window_ode_steps`` their MixGRPO-Flash compression (``algorithms.sde.compressed_steps``),
+        to which ``sde_mask`` is narrowed (the trajectory records the steps actually taken)."""
+        keep = torch.as_tensor(compressed_steps(self.sde_mask, self.spec.num_steps, self.spec.post_window_ode_steps))
+        if len(keep) == len(sigmas):
+            return sigmas, timesteps
+        self.sde_mask = self.sde_mask[:, keep[:-1]]
+        return sigmas[keep], timesteps[keep[:-1]]
 
     @property
     def size(self) -> int:

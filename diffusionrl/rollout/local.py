@@ -75,7 +75,7 @@ class LocalRolloutEngine:
         metadata: list[dict] | None = None,
     ) -> Trajectory:
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
-        sigmas, timesteps = self.adapter.schedule(spec.num_steps, spec.resolution)
+        sigmas, timesteps = batch.schedule(*self.adapter.schedule(spec.num_steps, spec.resolution))
         negative = spec.negative_prompt if self.adapter.needs_negative(spec.guidance_scale) else None
         cond = self.adapter.encode_prompts(prompts, negative, spec.max_sequence_length)
         references = row_images(metadata)  # the rows' input images (an editing dataset), else None
@@ -119,13 +119,15 @@ class LocalRolloutEngine:
         spec: SamplingSpec,
         latent_seeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one micro-batch; returns latents ``[m, T+1, *sample_shape]`` (``[C, H, W]``, or
-        ``[C, F', H, W]`` for video) and log-probs ``[m, T]``."""
+        """Sample one micro-batch on ``sigmas`` (``T`` steps: ``spec.num_steps``, fewer when compressed);
+        returns latents ``[m, T+1, *sample_shape]`` (``[C, H, W]``, or ``[C, F', H, W]`` for video) and
+        log-probs ``[m, T]``."""
         device = self.adapter.device
         shape = self.adapter.sample_shape(spec.resolution, spec.num_frames)
         # One generator per sample, all its noise drawn at once: the initial latent and one draw
         # per step (also at ODE steps, so a sample's noise ignores the step set). A sample's
-        # noise depends on its seed only, not on the batch it is sampled in. With ``latent_seeds`` (a group
+        # noise depends on its seed only, not on the batch it is sampled in (nor on a compressed schedule, whose
+        # steps up to the SDE window's end are the schedule's first ones). With ``latent_seeds`` (a group
         # sharing one initial latent) the initial latent is that of the latent seed's own draw.
         def draw(s) -> torch.Tensor:
             return torch.randn((spec.num_steps + 1, *shape), generator=torch.Generator("cpu").manual_seed(int(s)))
@@ -137,7 +139,7 @@ class LocalRolloutEngine:
         states, lps = [x.cpu()], []
         mask_dev = mask.to(device)
         hist: tuple = (None, None, None)  # dpm2m: the previous step's x0, sigma, and [m] "it was an ODE step"
-        for i in range(spec.num_steps):
+        for i in range(len(timesteps)):
             v = self.adapter.velocity(self.transformer, x, timesteps[i], cond, spec.guidance_scale)
             eps = noise[:, i + 1]
             stochastic = spec.sde_type != "ode" and bool(mask[:, i].any())

@@ -66,9 +66,11 @@ class ImageBackend:
         self.scorer = scorer
         self.sampler = PromptSampler(prompts.train, cfg.train.prompts_per_step, cfg.train.seed)
         self.probe = HeldOutProbe(cfg, prompts.test, scorer, eval_spec(cfg))
-        # An SDE objective samples with the configured dynamics; the others re-noise clean ODE samples.
+        # An SDE objective samples with the configured dynamics; the others re-noise clean ODE samples. Only the
+        # training rollouts share latents or compress the steps after MixGRPO's window (eval_spec does neither).
         self.rollout_sde_type = cfg.sampling.sde_type if objective(cfg.algorithm.name).sde else "ode"
-        self.spec = SamplingSpec.from_config(cfg, sde_type=self.rollout_sde_type, same_latent=cfg.sampling.same_latent)
+        self.spec = SamplingSpec.from_config(cfg, sde_type=self.rollout_sde_type, same_latent=cfg.sampling.same_latent,
+                                             post_window_ode_steps=cfg.sampling.post_window_ode_steps)
         self.version = 0
         self.cursor = 0
 

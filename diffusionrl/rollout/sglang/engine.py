@@ -270,6 +270,9 @@ class SGLangRolloutEngine:
                                       " its server draws each output's latent from its own seed; use the local engine")
         if spec.ode_solver != "euler":  # also the ODE steps outside an SDE window
             raise NotImplementedError(f"the sglang engine samples ODE steps with Euler only, not {spec.ode_solver!r}")
+        if spec.post_window_ode_steps:
+            raise NotImplementedError("the sglang engine samples the whole schedule: MixGRPO-Flash's compression "
+                                      "(sampling.post_window_ode_steps) needs the local engine")
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
         plan = plan_requests(batch.prompts, batch.seeds, batch.sde_mask, spec, self.outputs_per_request, self.cfg_pass)
         items = self._with_restart(lambda: self._generate_all(plan, batch.size), f"generate({batch.size} samples)")
