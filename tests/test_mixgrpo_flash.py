@@ -124,3 +124,23 @@ def test_the_sglang_engine_refuses_a_compressed_schedule():
     spec = SamplingSpec(resolution=32, num_steps=4, guidance_scale=1.0, post_window_ode_steps=1)
     with pytest.raises(NotImplementedError, match="post_window_ode_steps"):
         engine.generate(["a"], [0], [1], spec)
+
+
+def test_the_planner_times_the_compressed_rollout_at_the_windows_last_position():
+    """plan.model.rollout_steps: the steps to the window's end at its last position in window_range plus the
+    compressed ones (what compressed_steps keeps there), and the plan's rollout time scales with them."""
+    from diffusionrl.config import Config, apply_overrides, get_preset
+    from diffusionrl.plan.model import plan, rollout_steps
+
+    def cfg(*extra):
+        return Config.from_dict(apply_overrides(get_preset("tiny-cpu-mixgrpo").to_dict(), [*FLASH[:3], *extra]))
+
+    full, flash = cfg(), cfg("sampling.post_window_ode_steps=2")
+    assert rollout_steps(full) == 8
+    last = np.zeros(8, dtype=bool)
+    last[3:5] = True  # the 2-step window at its last position in [0, 5)
+    assert rollout_steps(flash) == len(compressed_steps(last, 8, 2)) - 1 == 7
+    assert rollout_steps(cfg("sampling.post_window_ode_steps=3")) == 8  # 3 steps after index 5: nothing saved
+    a, b = plan(full, "H200"), plan(flash, "H200")
+    assert b.rollout_s / a.rollout_s == pytest.approx(7 / 8)
+    assert any("compression" in n for n in b.notes) and not any("compression" in n for n in a.notes)

@@ -120,6 +120,15 @@ def units_per_micro_batch(cfg) -> int:
     return s.num_steps - 1  # objectives that re-noise the clean latent at T - 1 levels
 
 
+def rollout_steps(cfg) -> int:
+    """Denoising steps one training rollout takes: ``num_steps``, or with MixGRPO-Flash's compression
+    (``sampling.post_window_ode_steps``) the steps up to the SDE window's end plus the compressed ones,
+    for the window's last position in ``window_range`` (the longest; ``algorithms.sde.compressed_steps``)."""
+    s = cfg.sampling
+    k, end = s.post_window_ode_steps, s.window_range[1] if s.step_strategy == "mix_window" else s.num_steps
+    return end + k if 0 < k < s.num_steps - end else s.num_steps
+
+
 def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = MFU, cache: dict | None = None,
          rank: int = 0) -> Plan:
     """The plan of ``cfg`` (its ``train.world_size`` ranks) on GPUs of kind ``gpu``."""
@@ -190,7 +199,7 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
         sample = channels * frames * side * side  # one latent, fp32; a trajectory keeps T + 1 of them
         rollout["rollout working set (one block, no grad; latents)"] = (
             max(predict_saved(entry, config, b, n_img, n_txt)["block_peak"] for b in batches)
-            + mb * (s.num_steps + 1) * sample * 4)
+            + mb * (rollout_steps(cfg) + 1) * sample * 4)
     for parts in (train, rollout):
         tensors = sum(v for k, v in parts.items() if k != "CUDA context")
         parts["fragmentation margin"] = FRAGMENTATION * tensors
@@ -206,7 +215,10 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     if tc.offload_optimizer:
         step_s += 2 * (2 * lora / W) / PCIE
     engines = 1 if W == 1 else max(1, tc.rollout_engines)
-    rollout_s = (batch / engines) * s.num_steps * per_sample / flops_peak
+    rollout_s = (batch / engines) * rollout_steps(cfg) * per_sample / flops_peak
+    if rollout_steps(cfg) < s.num_steps:
+        notes.append(f"MixGRPO-Flash compression: a rollout takes {rollout_steps(cfg)} of {s.num_steps} steps (the "
+                     "window at the end of window_range, its longest)")
     notes.append(f"{n_img} image + {n_txt} text tokens per forward; {len(batches)} forward(s) of {batches} per unit")
     if family == "qwen-image":
         notes.append("Qwen-Image's text is as long as the batch's longest prompt: model.max_sequence_length is planned")
