@@ -1,7 +1,10 @@
 """Wan2.2's two experts (``WanPipeline`` with ``transformer_2`` and ``boundary_ratio``) through
-``WanExperts``: builtin:tiny-wan22 loadable by the stock pipeline, ODE parity with it, each step on
-the expert the pipeline picks, LoRA on both experts or one, and the exactness invariants
-(docs/algorithms.md section 11) with SDE steps on both sides of the boundary."""
+``WanExperts``: builtin:tiny-wan22 loadable by the stock pipeline, ODE parity with it (one guidance
+scale, or ``guidance_scale_2`` on the low-noise expert's steps), each step on the expert the pipeline
+picks, LoRA on both experts or one, and the exactness invariants (docs/algorithms.md section 11) with
+SDE steps on both sides of the boundary."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -64,18 +67,26 @@ def test_each_forward_runs_the_expert_the_pipeline_picks(wan22):
             experts(timestep=torch.tensor([900.0, 500.0]), **kw)
 
 
-@pytest.mark.parametrize("guidance", [5.0, 1.0])
+@pytest.mark.parametrize("guidance", [(5.0, None), (1.0, None), (5.0, 2.0), (3.0, 7.0), (5.0, 1.0)])
 def test_ode_sampling_equals_the_stock_two_expert_pipeline(wan22, guidance):
-    """Same initial latents: <= 1e-5 (measured 0.0); one expert alone would give another video."""
-    spec = SamplingSpec(**{**SPEC.__dict__, "guidance_scale": guidance})
+    """Same initial latents: <= 1e-5 (measured 0.0), also with the stock pipeline's ``guidance_scale_2``
+    on the low-noise expert's steps; one expert alone, or one scale for both, would give another video."""
+    g, g2 = guidance
+    spec = SamplingSpec(**{**SPEC.__dict__, "guidance_scale": g, "guidance_scale_2": g2})
     traj = LocalRolloutEngine(wan22, wan22.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
     assert traj.timesteps[0] >= 875 > traj.timesteps[-1]  # steps on both sides of the boundary
-    stock = wan22.pipe(prompt=PROMPTS, negative_prompt=[""] * 2, num_inference_steps=6, height=32, width=32,
-                       num_frames=5, max_sequence_length=32, latents=traj.latents[:, 0], output_type="latent",
-                       guidance_scale=guidance).frames
-    assert float((stock - traj.latents[:, -1]).abs().max()) <= 1e-5
+    assert traj.guidance == (g, g2)
+
+    def stock(**kw):
+        return wan22.pipe(prompt=PROMPTS, negative_prompt=[""] * 2, num_inference_steps=6, height=32, width=32,
+                          num_frames=5, max_sequence_length=32, latents=traj.latents[:, 0], output_type="latent",
+                          guidance_scale=g, **kw).frames
+
+    assert float((stock(guidance_scale_2=g2) - traj.latents[:, -1]).abs().max()) <= 1e-5
     high_only = LocalRolloutEngine(wan22, wan22.experts.high, 2).generate(PROMPTS, [0, 1], [3, 4], spec)
     assert float((high_only.latents[:, -1] - traj.latents[:, -1]).abs().max()) > 1e-3
+    if g2 is not None:  # the low-noise steps' own scale changes the video
+        assert float((stock() - traj.latents[:, -1]).abs().max()) > 1e-3
 
 
 def _loop(tmp_path, *extra):
@@ -97,6 +108,41 @@ def test_recompute_and_split_with_sde_steps_on_both_experts(tmp_path):
     unchanged, metrics = unchanged_after_update(lp, traj, active)
     assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
     lp.close()
+
+
+def test_guidance_scale_2_reaches_the_recompute_the_parquet_file_and_the_evaluation(tmp_path):
+    """The rollout's low-noise steps at sampling.guidance_scale_2: the trainer recomputes them at it (equal
+    log-probs; at guidance_scale they differ), the step file keeps it, the evaluation takes eval's."""
+    from diffusionrl.evaluation import eval_spec
+    from diffusionrl.trajectory.store import read_trajectory, write_step
+
+    lp = _loop(tmp_path, "sampling.step_strategy=all", "sampling.guidance_scale_2=2.0")
+    traj, active, _ = lp.backend.score(lp.backend.rollout(0))
+    sde_t = traj.timesteps[traj.sde_mask[0]]
+    assert (sde_t >= 875).any() and (sde_t < 875).any() and traj.guidance == (5.0, 2.0)
+    assert recompute_diff(lp, traj) <= 1e-6
+    assert recompute_diff(lp, dataclasses.replace(traj, guidance_scale_2=None)) > 1e-4
+    back = read_trajectory(write_step(tmp_path / "trajectories", traj, run_id="r", step=1, latents=True))
+    assert back.guidance == (5.0, 2.0) and recompute_diff(lp, back) <= 1e-6
+    assert split_rel_diff(lp, traj, active) <= 1e-5
+    lp.close()
+    cfg = tiny_config("eval.guidance_scale_2=3", preset="tiny-cpu-wan22")
+    assert eval_spec(cfg).guidance == (5.0, 3.0)
+    assert eval_spec(tiny_config(preset="tiny-cpu-wan22")).guidance == (5.0, None)
+
+
+def test_guidance_scale_2_needs_two_experts_and_a_cfg_pass(tmp_path):
+    with pytest.raises(ConfigError, match=r"sampling.guidance_scale_2=2: model.name='builtin:tiny-sd3' has one "
+                                          r"transformer, not two experts"):
+        build_loop(tiny_config("sampling.guidance_scale_2=2"), tmp_path / "sd3", progress=False)
+    with pytest.raises(ConfigError, match=r"eval.guidance_scale_2=3: model.name='builtin:tiny-wan' has one"):
+        build_loop(tiny_config("eval.guidance_scale_2=3", preset="tiny-cpu-wan"), tmp_path / "wan", progress=False)
+    with pytest.raises(ConfigError, match=r"sampling.guidance_scale_2=3 needs sampling.guidance_scale > 1"):
+        tiny_config("sampling.guidance_scale=1", "sampling.guidance_scale_2=3", preset="tiny-cpu-wan22")
+    wan21 = WanAdapter(build_tiny_wan_pipeline())  # and where the adapter is called directly
+    cond = wan21.encode_prompts(["a cat"], "", 32)
+    with pytest.raises(ConfigError, match="guidance_scale_2=2: wan has one transformer"):
+        wan21.velocity(wan21.transformer, torch.zeros(1, 16, 2, 4, 4), 500.0, cond, 5.0, 2.0)
 
 
 def _grad_norm(lp) -> float:

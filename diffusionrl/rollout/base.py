@@ -28,6 +28,13 @@ class SamplingSpec:
     # a group's samples start from the initial latent of the group's first seed (sampling.same_latent: the
     # training rollouts only; from_config leaves it off, so evaluation samples never share a latent)
     same_latent: bool = False
+    # two experts (Wan2.2 A14B): the CFG scale of the low-noise expert's steps; None: guidance_scale
+    guidance_scale_2: float | None = None
+
+    @property
+    def guidance(self) -> tuple[float, float | None]:
+        """``FlowAdapter.velocity``'s guidance arguments: ``guidance_scale, guidance_scale_2``."""
+        return self.guidance_scale, self.guidance_scale_2
 
     @classmethod
     def from_config(cls, cfg, **override) -> SamplingSpec:
@@ -35,6 +42,7 @@ class SamplingSpec:
             resolution=cfg.sampling.resolution,
             num_steps=cfg.sampling.num_steps,
             guidance_scale=cfg.sampling.guidance_scale,
+            guidance_scale_2=cfg.sampling.guidance_scale_2 or None,
             sde_type=cfg.sampling.sde_type,
             noise_level=cfg.sampling.noise_level,
             negative_prompt=cfg.sampling.negative_prompt,
