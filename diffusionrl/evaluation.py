@@ -60,7 +60,7 @@ def eval_resolution(cfg: Config) -> int:
 def eval_spec(cfg: Config) -> SamplingSpec:
     return SamplingSpec.from_config(
         cfg, sde_type="ode", num_steps=cfg.eval.num_steps, guidance_scale=cfg.eval.guidance_scale,
-        resolution=eval_resolution(cfg),
+        guidance_scale_2=cfg.eval.guidance_scale_2 or None, resolution=eval_resolution(cfg),
     )
 
 

@@ -180,9 +180,9 @@ def test_dpo_pairs_share_timestep_and_noise_and_start_at_log_2(dpo, monkeypatch)
     calls = []
     real = adapter.velocity
 
-    def spy(model, x, timestep, cond, g):
+    def spy(model, x, timestep, cond, g, g2=None):
         calls.append((x.clone(), timestep.clone()))
-        return real(model, x, timestep, cond, g)
+        return real(model, x, timestep, cond, g, g2)
 
     monkeypatch.setattr(adapter, "velocity", spy)
     stats = UpdateStats()

@@ -154,9 +154,9 @@ def test_a_unit_feeds_t_times_1000_and_uses_old_live_and_reference_weights(loop,
     calls = []
     real = loop.backend.worker.adapter.velocity
 
-    def spy(model, x, timestep, cond, g):
+    def spy(model, x, timestep, cond, g, g2=None):
         calls.append((timestep.clone(), policy.params[name].detach().clone(), torch.is_grad_enabled()))
-        return real(model, x, timestep, cond, g)
+        return real(model, x, timestep, cond, g, g2)
 
     monkeypatch.setattr(loop.backend.worker.adapter, "velocity", spy)
     live = policy.lora_state()

@@ -1,7 +1,13 @@
 """Wan2.2's two experts (``WanPipeline`` with ``transformer_2`` and ``boundary_ratio``) through
-``WanExperts``: builtin:tiny-wan22 loadable by the stock pipeline, ODE parity with it, each step on
-the expert the pipeline picks, LoRA on both experts or one, and the exactness invariants
-(docs/algorithms.md section 11) with SDE steps on both sides of the boundary."""
+``WanExperts``: builtin:tiny-wan22 loadable by the stock pipeline, ODE parity with it (one guidance
+scale, or ``guidance_scale_2`` on the low-noise expert's steps), each step on the expert the pipeline
+picks, LoRA on both experts or one, the exactness invariants (docs/algorithms.md section 11) with SDE
+steps on both sides of the boundary, and a two-expert LoRA registered in MLflow and served."""
+
+import dataclasses
+import io
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,18 +70,26 @@ def test_each_forward_runs_the_expert_the_pipeline_picks(wan22):
             experts(timestep=torch.tensor([900.0, 500.0]), **kw)
 
 
-@pytest.mark.parametrize("guidance", [5.0, 1.0])
+@pytest.mark.parametrize("guidance", [(5.0, None), (1.0, None), (5.0, 2.0), (3.0, 7.0), (5.0, 1.0)])
 def test_ode_sampling_equals_the_stock_two_expert_pipeline(wan22, guidance):
-    """Same initial latents: <= 1e-5 (measured 0.0); one expert alone would give another video."""
-    spec = SamplingSpec(**{**SPEC.__dict__, "guidance_scale": guidance})
+    """Same initial latents: <= 1e-5 (measured 0.0), also with the stock pipeline's ``guidance_scale_2``
+    on the low-noise expert's steps; one expert alone, or one scale for both, would give another video."""
+    g, g2 = guidance
+    spec = SamplingSpec(**{**SPEC.__dict__, "guidance_scale": g, "guidance_scale_2": g2})
     traj = LocalRolloutEngine(wan22, wan22.transformer, micro_batch_size=2).generate(PROMPTS, [0, 1], [3, 4], spec)
     assert traj.timesteps[0] >= 875 > traj.timesteps[-1]  # steps on both sides of the boundary
-    stock = wan22.pipe(prompt=PROMPTS, negative_prompt=[""] * 2, num_inference_steps=6, height=32, width=32,
-                       num_frames=5, max_sequence_length=32, latents=traj.latents[:, 0], output_type="latent",
-                       guidance_scale=guidance).frames
-    assert float((stock - traj.latents[:, -1]).abs().max()) <= 1e-5
+    assert traj.guidance == (g, g2)
+
+    def stock(**kw):
+        return wan22.pipe(prompt=PROMPTS, negative_prompt=[""] * 2, num_inference_steps=6, height=32, width=32,
+                          num_frames=5, max_sequence_length=32, latents=traj.latents[:, 0], output_type="latent",
+                          guidance_scale=g, **kw).frames
+
+    assert float((stock(guidance_scale_2=g2) - traj.latents[:, -1]).abs().max()) <= 1e-5
     high_only = LocalRolloutEngine(wan22, wan22.experts.high, 2).generate(PROMPTS, [0, 1], [3, 4], spec)
     assert float((high_only.latents[:, -1] - traj.latents[:, -1]).abs().max()) > 1e-3
+    if g2 is not None:  # the low-noise steps' own scale changes the video
+        assert float((stock() - traj.latents[:, -1]).abs().max()) > 1e-3
 
 
 def _loop(tmp_path, *extra):
@@ -97,6 +111,41 @@ def test_recompute_and_split_with_sde_steps_on_both_experts(tmp_path):
     unchanged, metrics = unchanged_after_update(lp, traj, active)
     assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
     lp.close()
+
+
+def test_guidance_scale_2_reaches_the_recompute_the_parquet_file_and_the_evaluation(tmp_path):
+    """The rollout's low-noise steps at sampling.guidance_scale_2: the trainer recomputes them at it (equal
+    log-probs; at guidance_scale they differ), the step file keeps it, the evaluation takes eval's."""
+    from diffusionrl.evaluation import eval_spec
+    from diffusionrl.trajectory.store import read_trajectory, write_step
+
+    lp = _loop(tmp_path, "sampling.step_strategy=all", "sampling.guidance_scale_2=2.0")
+    traj, active, _ = lp.backend.score(lp.backend.rollout(0))
+    sde_t = traj.timesteps[traj.sde_mask[0]]
+    assert (sde_t >= 875).any() and (sde_t < 875).any() and traj.guidance == (5.0, 2.0)
+    assert recompute_diff(lp, traj) <= 1e-6
+    assert recompute_diff(lp, dataclasses.replace(traj, guidance_scale_2=None)) > 1e-4
+    back = read_trajectory(write_step(tmp_path / "trajectories", traj, run_id="r", step=1, latents=True))
+    assert back.guidance == (5.0, 2.0) and recompute_diff(lp, back) <= 1e-6
+    assert split_rel_diff(lp, traj, active) <= 1e-5
+    lp.close()
+    cfg = tiny_config("eval.guidance_scale_2=3", preset="tiny-cpu-wan22")
+    assert eval_spec(cfg).guidance == (5.0, 3.0)
+    assert eval_spec(tiny_config(preset="tiny-cpu-wan22")).guidance == (5.0, None)
+
+
+def test_guidance_scale_2_needs_two_experts_and_a_cfg_pass(tmp_path):
+    with pytest.raises(ConfigError, match=r"sampling.guidance_scale_2=2: model.name='builtin:tiny-sd3' has one "
+                                          r"transformer, not two experts"):
+        build_loop(tiny_config("sampling.guidance_scale_2=2"), tmp_path / "sd3", progress=False)
+    with pytest.raises(ConfigError, match=r"eval.guidance_scale_2=3: model.name='builtin:tiny-wan' has one"):
+        build_loop(tiny_config("eval.guidance_scale_2=3", preset="tiny-cpu-wan"), tmp_path / "wan", progress=False)
+    with pytest.raises(ConfigError, match=r"sampling.guidance_scale_2=3 needs sampling.guidance_scale > 1"):
+        tiny_config("sampling.guidance_scale=1", "sampling.guidance_scale_2=3", preset="tiny-cpu-wan22")
+    wan21 = WanAdapter(build_tiny_wan_pipeline())  # and where the adapter is called directly
+    cond = wan21.encode_prompts(["a cat"], "", 32)
+    with pytest.raises(ConfigError, match="guidance_scale_2=2: wan has one transformer"):
+        wan21.velocity(wan21.transformer, torch.zeros(1, 16, 2, 4, 4), 500.0, cond, 5.0, 2.0)
 
 
 def _grad_norm(lp) -> float:
@@ -125,14 +174,112 @@ def test_a_lora_on_one_expert_learns_only_from_that_experts_steps(tmp_path, expe
     assert norms[own] > 0 and norms[other] == 0.0
 
 
-def test_one_expert_lora_needs_two_experts_and_the_two_expert_lora_is_not_exported_yet(tmp_path):
+def test_one_expert_lora_needs_two_experts(tmp_path):
     with pytest.raises(ConfigError, match="lora_experts=low.*one transformer"):
         build_loop(tiny_config("model.lora_experts=low"), tmp_path / "sd3", progress=False)
-    from diffusionrl.errors import UserError
-    from diffusionrl.serving.lora_export import diffusers_adapter_dir
 
-    lp = _loop(tmp_path / "run")
-    lp.backend.worker.policy.model.save_pretrained(str(tmp_path / "lora"))
+
+@pytest.mark.parametrize("experts", ["both", "low"])
+def test_a_two_expert_lora_registers_and_serves_as_the_local_pipeline_with_it(tmp_path, experts):
+    """register_lora on a local MLflow store: one diffusers LoRA file per trained expert, the pyfunc loads
+    them onto transformer / transformer_2 and generates exactly what the stock pipeline does with the peft
+    LoRA on both experts (WanExperts), at the run's guidance_scale_2 (latents: max abs diff 0.0, 0.29 / 0.42
+    from the base model's); the card says how to load it."""
+    import mlflow
+    import mlflow.pyfunc
+    import pandas as pd
+    from peft import PeftModel
+    from PIL import Image
+
+    from diffusionrl.serving.lora_export import EXPERT_FILES
+    from diffusionrl.serving.registry import register_lora
+    from diffusionrl.tracking import TrackingRun
+    from diffusionrl.video import gif_bytes
+
+    base = save_builtin(TINY_WAN22_REF, tmp_path / "base")
+    cfg = tiny_config(f"model.name={base}", f"model.lora_experts={experts}", "eval.guidance_scale_2=2",
+                      "eval.num_steps=3", preset="tiny-cpu-wan22")
+    lp = _loop(tmp_path / "run", f"model.lora_experts={experts}")
+    policy = lp.backend.worker.policy
+    gen = torch.Generator().manual_seed(1)  # a LoRA that changes the output (peft's init has B = 0)
+    policy.load_lora_state({n: 0.05 * torch.randn(v.shape, generator=gen) for n, v in policy.lora_state().items()})
+    lora, _ = lp.backend.worker.save_lora(tmp_path / "out", {"base_model": str(base), "step": 1})
     lp.close()
-    with pytest.raises(UserError, match="Wan2.2's two experts .* cannot be registered"):
-        diffusers_adapter_dir(tmp_path / "lora", tmp_path / "out", "WanPipeline")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    experiment = client.create_experiment("wan22", artifact_location=str(tmp_path / "artifacts"))
+    run = TrackingRun(uri, experiment, client.create_run(experiment).info.run_id)
+    reg = register_lora(run, cfg, lora, str(base), "digest", [{"prompt": "a red cat"}], "test-digest", 0.5, {})
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(reg.model_uri)
+    adapter = model.unwrap_python_model()
+    settings = adapter.settings
+    trained = ["high", "low"] if experts == "both" else ["low"]
+    assert settings["weight_names"] == {EXPERT_FILES[e][0]: EXPERT_FILES[e][1] for e in trained}
+    assert settings["generation"]["guidance_scale"] == 5.0 and settings["generation"]["guidance_scale_2"] == 2.0
+    card = (Path(mlflow.artifacts.download_artifacts(reg.model_uri)) / "artifacts/adapter/README.md").read_text()
+    assert "load_into_transformer_2=True" in card and ("high_noise_lora_weights" in card) == (experts == "both")
+    high = "`transformer` (high-noise steps), " if experts == "both" else ""
+    assert f"- Experts with the LoRA: {high}`transformer_2` (low-noise steps)\n" in card
+
+    torch.manual_seed(0)
+    (gif,) = model.predict(pd.DataFrame({"prompt": ["a red cat"]}))
+    pipe = build_tiny_wan22_pipeline()  # the stock pipeline with our peft LoRA on both experts
+    PeftModel.from_pretrained(WanExperts(pipe.transformer, pipe.transformer_2, 875.0), str(lora))
+    kw = {k: v for k, v in settings["generation"].items() if k != "negative_prompt" or v}
+    torch.manual_seed(0)
+    frames = pipe(prompt=["a red cat"], output_type="np", **kw).frames[0]
+    assert gif == gif_bytes((np.asarray(frames) * 255).round().astype(np.uint8))
+    assert Image.open(io.BytesIO(gif)).size == (32, 32)
+    latents = {}
+    for name, p in (("served", adapter.pipe), ("ours", pipe), ("base", build_tiny_wan22_pipeline())):
+        torch.manual_seed(0)
+        latents[name] = p(prompt=["a red cat"], output_type="latent", **kw).frames
+    assert float((latents["served"] - latents["ours"]).abs().max()) <= 1e-6
+    assert float((latents["served"] - latents["base"]).abs().max()) > 1e-3  # the LoRA is really applied
+
+
+@pytest.mark.parametrize("experts", ["both", "high"])
+def test_the_cards_of_a_two_expert_lora_load_it_as_written(tmp_path, monkeypatch, experts):
+    """The run folder's card (peft layout) and the registered folder's (diffusers layout): each of their
+    peft and diffusers snippets, run as written, puts the LoRA on the experts it trained and on no other."""
+    from diffusionrl.models.families import load_pipeline
+    from diffusionrl.serving.lora_export import diffusers_adapter_dir
+    from diffusionrl.serving.model_card import DIFFUSERS, render_card
+
+    from .test_model_card import python_blocks
+
+    lp = _loop(tmp_path / "run", f"model.lora_experts={experts}")
+    policy = lp.backend.worker.policy
+    gen = torch.Generator().manual_seed(1)
+    policy.load_lora_state({n: 0.05 * torch.randn(v.shape, generator=gen) for n, v in policy.lora_state().items()})
+    folder, _ = lp.backend.worker.save_lora(tmp_path / "out", {"base_model": TINY_WAN22_REF, "step": 1})
+    lp.close()
+    info = json.loads((folder / "diffusionrl.json").read_text())
+    assert info["lora_experts"] == (["high", "low"] if experts == "both" else ["high"])
+    registered = diffusers_adapter_dir(folder, tmp_path / "registered", "WanPipeline")
+    (registered / "README.md").write_text(render_card(info, layout=DIFFUSERS))
+
+    c = build_tiny_wan22_pipeline().transformer.config
+    gen = torch.Generator().manual_seed(0)
+    kw = dict(hidden_states=torch.randn(2, c.in_channels, 2, 4, 4, generator=gen),
+              encoder_hidden_states=torch.randn(2, 6, c.text_dim, generator=gen), return_dict=False)
+
+    def outputs(pipe) -> list[torch.Tensor]:  # both experts, each at a timestep of its own
+        with torch.no_grad():
+            return [m(timestep=torch.tensor([t, t]), **kw)[0] for m, t in ((pipe.transformer, 900.0),
+                                                                          (pipe.transformer_2, 300.0))]
+
+    base = outputs(load_pipeline(TINY_WAN22_REF))
+    monkeypatch.chdir(tmp_path)  # the peft card's diffusers snippet writes ./lora-diffusers
+    got = []
+    for where in (folder, registered):
+        for block in python_blocks((where / "README.md").read_text())[:2]:  # peft, diffusers (not the registry's)
+            scope: dict = {}
+            exec(block.replace("path/to/this/folder", str(where)), scope)
+            got.append(outputs(scope["pipe"]))
+    assert len(got) == 4
+    for high, low in got:
+        assert float((high - got[0][0]).abs().max()) <= 1e-6 and float((low - got[0][1]).abs().max()) <= 1e-6
+    assert float((got[0][0] - base[0]).abs().max()) > 1e-4  # the high-noise expert has the LoRA in both cases
+    assert (float((got[0][1] - base[1]).abs().max()) > 1e-4) == (experts == "both")

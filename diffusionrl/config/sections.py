@@ -20,6 +20,14 @@ from .tree import (
 )
 
 
+def check_guidance_2(section, name: str) -> None:
+    """``guidance_scale_2`` needs the CFG pass, which ``WanPipeline`` runs at ``guidance_scale > 1`` only."""
+    if section.guidance_scale_2 and section.guidance_scale <= 1:
+        raise ConfigError(f"{name}.guidance_scale_2={section.guidance_scale_2:g} needs {name}.guidance_scale > 1 (the "
+                          f"pipeline runs no CFG pass at guidance_scale={section.guidance_scale:g}); raise "
+                          f"{name}.guidance_scale or set {name}.guidance_scale_2=0")
+
+
 @dataclass
 class ModelConfig:
     name: str = option(
@@ -62,6 +70,10 @@ class SamplingConfig:
     guidance_scale: PositiveFloat = option(
         4.5, "Guidance scale g: SD3's classifier-free guidance (1.0 = no CFG pass); FLUX.1's distilled-guidance "
         "input (3.5 for FLUX.1-dev; never a CFG pass)"
+    )
+    guidance_scale_2: NonNegativeFloat = option(
+        0.0, "A model with two experts (Wan2.2 A14B): the CFG scale of the low-noise expert's steps (transformer_2, "
+        "t < boundary_ratio * 1000; WanPipeline's guidance_scale_2); 0 = guidance_scale. Other models: 0"
     )
     negative_prompt: str = option("", "Negative prompt used for CFG (families with a CFG pass: SD3)")
     sde_type: Literal["sde", "cps", "ode", "dance"] = option(
@@ -123,6 +135,7 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         check_constraints(self, "sampling")
+        check_guidance_2(self, "sampling")
         if not 0 <= self.sglang_port <= 65535:
             raise ConfigError(f"sampling.sglang_port={self.sglang_port} must be in [0, 65535] (0 picks a free port)")
         if self.resolution <= 0 or self.resolution % 16:
@@ -344,6 +357,9 @@ class TrainConfig:
 class EvalConfig:
     num_steps: PositiveInt = option(20, "ODE denoising steps for evaluation")
     guidance_scale: PositiveFloat = option(4.5, "CFG scale for evaluation")
+    guidance_scale_2: NonNegativeFloat = option(
+        0.0, "Two experts (Wan2.2 A14B): the evaluation's CFG scale of the low-noise expert's steps; 0 = guidance_scale"
+    )
     num_prompts: NonNegativeInt = option(8, "Held-out prompts evaluated (0 = all)")
     seeds_per_prompt: PositiveInt = option(
         1, "Samples per held-out prompt in the evaluation (seeds seed, seed + 1, ...)"
@@ -359,6 +375,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_constraints(self, "eval")
+        check_guidance_2(self, "eval")
 
 
 @dataclass

@@ -297,6 +297,7 @@ class FlowAdapter(LoraTargets):
         timestep: torch.Tensor,
         cond: Conditioning,
         guidance_scale: float,
+        guidance_scale_2: float | None = None,
     ) -> torch.Tensor:
         """The velocity ``[B, C, H, W]`` float32 of spatial ``latents`` at scheduler ``timestep``
         (``sigma * num_train_timesteps``; a scalar or one per sample), computed with ``transformer``.
@@ -304,7 +305,9 @@ class FlowAdapter(LoraTargets):
         The one template of every family: the latents in the forward dtype, the timestep as float32
         ``[B]``, the family's ``_forward`` under autocast, and where ``needs_negative`` a CFG pass as
         ``cfg_mode`` says, mixed ``v_neg + g (v_pos - v_neg)`` in the forward's output layout (then
-        rescaled where ``cfg_norm_rescale``), and ``_unpack`` to the latents' layout."""
+        rescaled where ``cfg_norm_rescale``), and ``_unpack`` to the latents' layout. ``g`` is the
+        scale of this call's timestep (``step_guidance``: a two-expert model's low-noise steps take
+        ``guidance_scale_2``); whether there is a CFG pass is ``guidance_scale``'s, as in ``WanPipeline``."""
         cfg = self.needs_negative(guidance_scale)
         if cfg and cond.negative_prompt_embeds is None:
             raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
@@ -312,6 +315,7 @@ class FlowAdapter(LoraTargets):
         x = latents.to(self.device, dtype)
         t = torch.as_tensor(timestep, dtype=torch.float32, device=self.device).reshape(-1)
         t = t.expand(x.shape[0]) if t.numel() == 1 else t
+        guidance_scale = self.step_guidance(t, guidance_scale, guidance_scale_2)
         pos = TextSide(cond.prompt_embeds, cond.pooled_embeds, cond.prompt_embeds_mask, cond.image_latents)
 
         def forward(x: torch.Tensor, t: torch.Tensor, side: TextSide) -> torch.Tensor:
@@ -332,6 +336,16 @@ class FlowAdapter(LoraTargets):
         if self.cfg_norm_rescale:
             mixed = mixed * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(mixed, dim=-1, keepdim=True))
         return self._unpack(mixed, latents)
+
+    def step_guidance(self, t: torch.Tensor, guidance_scale: float, guidance_scale_2: float | None = None) -> float:
+        """The CFG scale of a forward at timesteps ``t``: ``guidance_scale``. Only a model with two experts
+        takes a ``guidance_scale_2`` (``WanAdapter``: its low-noise expert's steps); here it is refused."""
+        if guidance_scale_2 is not None:
+            from diffusionrl.config import ConfigError
+
+            raise ConfigError(f"guidance_scale_2={guidance_scale_2:g}: {self.family} has one transformer, not two "
+                              "experts (Wan2.2 A14B); set sampling.guidance_scale_2=0 and eval.guidance_scale_2=0")
+        return guidance_scale
 
     def _forward(self, transformer: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, side: TextSide,
                  guidance_scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -203,6 +203,29 @@ def check_model(reference: str, revision: str = "", num_frames: int = 1,
     return adapter
 
 
+def two_experts(reference: str, revision: str = "", key: str = "model.name") -> bool:
+    """Whether ``reference`` holds two experts (Wan2.2 A14B: ``transformer_2`` and ``boundary_ratio`` in its
+    ``model_index.json``; a builtin: its adapter's ``two_expert_builtins``), read without the weights."""
+    if reference.startswith("builtin:"):
+        return any(reference in getattr(a, "two_expert_builtins", ()) for a in ADAPTERS)
+    index = model_index(reference, revision, key)
+    second = index.get("transformer_2")
+    return isinstance(second, list) and bool(second) and second[0] is not None and \
+        index.get("boundary_ratio") is not None
+
+
+def check_guidance_2(cfg, reference: str, key: str = "model.name") -> None:
+    """``sampling.guidance_scale_2`` and ``eval.guidance_scale_2`` (the low-noise expert's CFG scale) only
+    for a model with two experts: elsewhere one line naming the key."""
+    for section in ("sampling", "eval"):
+        value = getattr(cfg, section).guidance_scale_2
+        if value and not two_experts(reference, cfg.model.revision, key):
+            from diffusionrl.config import ConfigError
+
+            raise ConfigError(f"{section}.guidance_scale_2={value:g}: {key}={reference!r} has one transformer, not "
+                              f"two experts (Wan2.2 A14B); set {section}.guidance_scale_2=0")
+
+
 def builtin_names() -> list[str]:
     return [name for a in ADAPTERS for name in a.builtins()]
 

@@ -18,7 +18,9 @@ What differs from SD3 (``models/sd3.py``), and where the adapter absorbs it:
   the engine steps them with its Euler/SDE steps.
 - Wan2.2 A14B (``transformer_2`` and ``boundary_ratio`` in the pipeline): the two experts are one
   ``WanExperts`` module that runs the expert of each call's timestep, as the pipeline does; the LoRA
-  goes on both or one (``model.lora_experts``, ``expert_targets``).
+  goes on both or one (``model.lora_experts``, ``expert_targets``); the low-noise expert's steps take
+  their own CFG scale where one is given (``sampling.guidance_scale_2``, the pipeline's
+  ``guidance_scale_2``: ``step_guidance``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class WanAdapter(FlowAdapter):
     # self-attention attn1 and the cross-attention attn2 of every block; its add_* names are I2V-only).
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     experts: WanExperts | None = None  # Wan2.2's pair (set in __init__); None: one transformer
+    two_expert_builtins = (TINY_WAN22_REF,)  # what families.two_experts knows without building them
 
     def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
         super().__init__(pipe, device, autocast_dtype)
@@ -102,6 +105,13 @@ class WanAdapter(FlowAdapter):
     @classmethod
     def builtins(cls) -> dict:
         return {**super().builtins(), TINY_WAN22_REF: build_tiny_wan22_pipeline}
+
+    def step_guidance(self, t: torch.Tensor, guidance_scale: float, guidance_scale_2: float | None = None) -> float:
+        """``WanPipeline``'s ``current_guidance_scale``: ``guidance_scale`` on the high-noise expert's steps,
+        ``guidance_scale_2`` (None: ``guidance_scale``) on the low-noise expert's."""
+        if self.experts is None or guidance_scale_2 is None:
+            return super().step_guidance(t, guidance_scale, guidance_scale_2)
+        return guidance_scale if self.experts.expert(t) == "high" else guidance_scale_2
 
     def expert_targets(self, names: list[str], experts: str) -> list[str]:
         if self.experts is None:

@@ -31,6 +31,13 @@ class SamplingSpec:
     # MixGRPO-Flash (sampling.post_window_ode_steps; the training rollouts only, as same_latent): the ODE steps
     # after the last SDE step become this many larger ones (algorithms.sde.compressed_steps); 0 = off
     post_window_ode_steps: int = 0
+    # two experts (Wan2.2 A14B): the CFG scale of the low-noise expert's steps; None: guidance_scale
+    guidance_scale_2: float | None = None
+
+    @property
+    def guidance(self) -> tuple[float, float | None]:
+        """``FlowAdapter.velocity``'s guidance arguments: ``guidance_scale, guidance_scale_2``."""
+        return self.guidance_scale, self.guidance_scale_2
 
     @classmethod
     def from_config(cls, cfg, **override) -> SamplingSpec:
@@ -38,6 +45,7 @@ class SamplingSpec:
             resolution=cfg.sampling.resolution,
             num_steps=cfg.sampling.num_steps,
             guidance_scale=cfg.sampling.guidance_scale,
+            guidance_scale_2=cfg.sampling.guidance_scale_2 or None,
             sde_type=cfg.sampling.sde_type,
             noise_level=cfg.sampling.noise_level,
             negative_prompt=cfg.sampling.negative_prompt,

@@ -125,6 +125,7 @@ class RolloutBatch:
             log_probs=log_probs,
             conditioning=conditioning,
             guidance_scale=float(spec.guidance_scale),
+            guidance_scale_2=None if spec.guidance_scale_2 is None else float(spec.guidance_scale_2),
             sde_type=spec.sde_type,
             noise_level=float(spec.noise_level),
             micro_batch_size=self.micro_batch_size,

@@ -140,7 +140,7 @@ class LocalRolloutEngine:
         mask_dev = mask.to(device)
         hist: tuple = (None, None, None)  # dpm2m: the previous step's x0, sigma, and [m] "it was an ODE step"
         for i in range(len(timesteps)):
-            v = self.adapter.velocity(self.transformer, x, timesteps[i], cond, spec.guidance_scale)
+            v = self.adapter.velocity(self.transformer, x, timesteps[i], cond, *spec.guidance)
             eps = noise[:, i + 1]
             stochastic = spec.sde_type != "ode" and bool(mask[:, i].any())
             m = mask_dev[:, i] if stochastic else torch.zeros(x.shape[0], dtype=torch.bool, device=device)
@@ -175,5 +175,5 @@ class LocalRolloutEngine:
             return x_euler
         # Heun (second order): average the slopes at both ends of the step.
         t_next = sigmas[i + 1] * (timesteps[i] / sigmas[i])
-        v_next = self.adapter.velocity(self.transformer, x_euler, t_next, cond, spec.guidance_scale)
+        v_next = self.adapter.velocity(self.transformer, x_euler, t_next, cond, *spec.guidance)
         return x + 0.5 * (v + v_next) * dt

@@ -1,7 +1,7 @@
 """Serving a trained LoRA: the MLflow model, its request limits, the registry and ``@champion``.
 
-- ``lora_export``: a peft LoRA folder as a diffusers LoRA folder (``pytorch_lora_weights.safetensors``
-  plus ``peft/``);
+- ``lora_export``: a peft LoRA folder as a diffusers LoRA folder (``pytorch_lora_weights.safetensors``,
+  or a file per expert of a Wan2.2 two-expert LoRA, plus ``peft/``);
 - ``signature``: the image model's signature (prompt -> PNG bytes, this run's evaluation settings as
   the params' defaults);
 - ``mlflow_model``: ``log_lora_model``, the LoRA as an ``mlflow.diffusers`` model (video families:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from diffusionrl.tracking import TrackingRun
 
-from .lora_export import ADAPTER_FILE, diffusers_adapter_dir
+from .lora_export import diffusers_adapter_dir
 from .signature import model_signature
 
 
@@ -41,7 +41,7 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
         if family.video:  # mlflow.diffusers serves images only: our pyfunc returns GIFs (video_model.py)
             from .video_model import log_video_lora_model
 
-            return log_video_lora_model(run, cfg, adapter, base_ref, ADAPTER_FILE, example_prompt, metadata)
+            return log_video_lora_model(run, cfg, adapter, base_ref, example_prompt, metadata)
         signature = model_signature(cfg, family)
         # what mlflow.diffusers.log_model does, its pyfunc loader behind the bounds (request_limits.save_model)
         return Model.log(

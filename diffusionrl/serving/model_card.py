@@ -3,14 +3,16 @@
 ``render_card(info, results)`` is pure: ``info`` is what the trainer records beside the adapter
 (``diffusionrl.json``: ``base_model``, ``base_model_revision``, ``base_model_digest``, ``step``,
 ``algorithm``, ``config_digest``, and where known ``family``, ``pipeline_class``, ``reward``,
-``registered_model``, ``sft_source``, ``ema_decay``, ``world_size``), ``results`` the held-out
+``registered_model``, ``sft_source``, ``ema_decay``, ``world_size``, and for a LoRA of Wan2.2's two
+experts ``lora_experts``: ``high`` and/or ``low``), ``results`` the held-out
 evaluation's summary (``evaluation.evaluate_lora``: ``eval/reward_mean``, ``eval/base_reward_mean``,
 ...) or ``None`` when the folder is written before it is evaluated. Nothing in a card depends on the
 time or on where the folder lies, so a resumed run writes the same card as an uninterrupted one.
 
 Two layouts: ``peft`` (a run's ``lora/``: ``adapter_model.safetensors`` + ``adapter_config.json``)
 and ``diffusers`` (the registered model's adapter, ``lora_export.diffusers_adapter_dir``:
-``pytorch_lora_weights.safetensors`` + ``peft/``); each card gives the loading call of its layout.
+``pytorch_lora_weights.safetensors`` + ``peft/``; a two-expert LoRA: one file per expert,
+``lora_export.EXPERT_FILES``); each card gives the loading call of its layout.
 ``write_card`` also sets ``adapter_config.json``'s ``base_model_name_or_path`` to the model id (peft
 records the folder the weights were loaded from, a temporary one in the workflow).
 """
@@ -79,13 +81,47 @@ def _snippet(info: dict, imports: list[str], body: list[str]) -> list[str]:
     return ["```python", *sorted(head + imports), "", load, *body, "```"]
 
 
+def _expert_loads(folder: str, experts: list[str]) -> list[str]:
+    """``load_lora_weights`` of each expert's file of a two-expert LoRA (``lora_export.EXPERT_FILES``)."""
+    from .lora_export import EXPERT_FILES
+
+    return [f"pipe.load_lora_weights({folder}, weight_name={json.dumps(EXPERT_FILES[e][1])}"
+            + (", load_into_transformer_2=True)" if EXPERT_FILES[e][0] == "transformer_2" else ")") for e in experts]
+
+
+def _peft_experts(folder: str) -> list[str]:
+    """peft's load of a two-expert LoRA: on diffusionrl's ``WanExperts`` over the pipeline's two transformers
+    (peft puts its layers into them, so the pipeline samples with the LoRA)."""
+    return ["experts = WanExperts(pipe.transformer, pipe.transformer_2,",
+            "                     pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps)",
+            f"PeftModel.from_pretrained(experts, {folder})  # the LoRA layers go into both transformers"]
+
+
 def _loading(info: dict, layout: str) -> list[str]:
     pipeline = json.dumps(info.get("pipeline_class") or "DiffusionPipeline")
     name = info.get("registered_model") or "<registered model>"
     output = "GIF" if info.get("family") == "wan" else "PNG"
     here = json.dumps(_PLACEHOLDER)
+    experts = info.get("lora_experts") or []
     lines = ["## How to load it", ""]
-    if layout == DIFFUSERS:
+    if experts:  # Wan2.2's two experts: a file per expert, or peft on WanExperts
+        peft_dir = here if layout == PEFT else json.dumps(_PLACEHOLDER + "/peft")
+        where = "(this folder is peft's format)" if layout == PEFT else "from the copy under `peft/`"
+        peft = [f"With peft {where}, on diffusionrl's `WanExperts` (the two experts as one module):",
+                "", *_snippet(info, ["from diffusionrl.models.wan import WanExperts", "from peft import PeftModel"],
+                              _peft_experts(peft_dir))]
+        from .lora_export import EXPERT_FILES
+
+        files = ", ".join(f"`{EXPERT_FILES[e][1]}` for `{EXPERT_FILES[e][0]}`" for e in experts)
+        if layout == DIFFUSERS:
+            lines += [f"With diffusers ({files}; each carries the rank and alpha):", "",
+                      *_snippet(info, [], _expert_loads(here, experts)), "", *peft]
+        else:
+            lines += [*peft, "", f"With diffusers' `load_lora_weights`, after writing a file per expert ({files}):",
+                      "", *_snippet(info, ["from diffusionrl.serving import diffusers_adapter_dir"],
+                                    [f'folder = diffusers_adapter_dir({here}, "lora-diffusers", {pipeline})',
+                                     *_expert_loads("str(folder)", experts)])]
+    elif layout == DIFFUSERS:
         lines += ["With diffusers (`pytorch_lora_weights.safetensors` here carries the rank and alpha):", "",
                   *_snippet(info, [], [f"pipe.load_lora_weights({here})"]), "",
                   "With peft, from the copy under `peft/`:", "",
@@ -144,6 +180,9 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
         what.append(f"- Weights: the exponential moving average of the LoRA (decay {_fmt(info['ema_decay'])})")
     if info.get("world_size"):
         what.append(f"- Trainer ranks: {info['world_size']}")
+    if info.get("lora_experts"):
+        names = {"high": "`transformer` (high-noise steps)", "low": "`transformer_2` (low-noise steps)"}
+        what.append("- Experts with the LoRA: " + ", ".join(names.get(e, e) for e in info["lora_experts"]))
     held = ["", "## Held-out results", ""]
     if results and result_rows(results):
         held += ["Held-out prompts, the same seeds for the tuned and the base model:", "",
@@ -210,6 +249,11 @@ def write_card(folder: str | Path, info: dict, results: dict | None = None, layo
 
 
 def describe_folder(folder: str | Path, info: dict) -> Path:
-    """What the trainer writes beside a saved peft adapter: ``diffusionrl.json`` (``info``) and the card."""
+    """What the trainer writes beside a saved peft adapter: ``diffusionrl.json`` (``info``, with the experts
+    a two-expert LoRA's layers sit on, ``lora_experts``) and the card."""
+    from .lora_export import lora_experts
+
+    experts = lora_experts(folder) if (Path(folder) / "adapter_model.safetensors").is_file() else []
+    info = {**info, "lora_experts": experts} if experts else info
     (Path(folder) / "diffusionrl.json").write_text(json.dumps(info, indent=1))
     return write_card(folder, info)

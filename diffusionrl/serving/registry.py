@@ -162,6 +162,12 @@ def lora_info(cfg, lora_dir: str | Path, model_path: str, model_digest: str) -> 
     if not info.get("pipeline_class"):
         family = adapter_class(model_path or cfg.model.name, cfg.model.revision)
         info = {**adapter_facts(cfg, family.family, family.pipeline_class), **info}
+    if "lora_experts" not in info and (Path(lora_dir) / "adapter_model.safetensors").is_file():
+        from .lora_export import lora_experts
+
+        experts = lora_experts(lora_dir)  # a folder written before diffusionrl.json recorded them
+        if experts:
+            info = {**info, "lora_experts": experts}
     defaults = {"base_model": cfg.model.name, "base_model_revision": cfg.model.revision,
                 "base_model_digest": model_digest, "algorithm": cfg.algorithm.name, "step": cfg.train.steps,
                 "config_digest": cfg.digest(), "registered_model": cfg.tracking.registered_model}

@@ -88,6 +88,7 @@ SIZE = Bound(16, 2048, multiple=16)  # pixels: the VAE's 8x and the transformer'
 LIMITS: dict[str, Bound | Text] = {
     "num_inference_steps": Bound(1, 1000),
     "guidance_scale": Bound(0, 30, integer=False),  # 0: no CFG where the pipeline's scale counts from 0 (Z-Image)
+    "guidance_scale_2": Bound(0, 30, integer=False),  # Wan2.2 A14B: the low-noise expert's CFG scale
     "height": SIZE,
     "width": SIZE,
     "num_frames": Bound(1, 161, multiple=4, offset=1),  # Wan: 1 + 4k frames, up to twice its 81

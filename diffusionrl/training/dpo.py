@@ -86,9 +86,9 @@ class DPOObjective:
         x_t = noisy_latents(x0, eps, t)
         cond = traj.conditioning.select(idx).to(device)
         timestep = t * self.num_train_timesteps
-        v = self.adapter.velocity(self.policy.model, x_t, timestep, cond, traj.guidance_scale)
+        v = self.adapter.velocity(self.policy.model, x_t, timestep, cond, *traj.guidance)
         with torch.no_grad(), self.policy.reference():
-            v_ref = self.adapter.velocity(self.policy.model, x_t, timestep, cond, traj.guidance_scale)
+            v_ref = self.adapter.velocity(self.policy.model, x_t, timestep, cond, *traj.guidance)
         err, ref = flow_matching_error(v, x0, eps), flow_matching_error(v_ref, x0, eps)
         return err[:p], err[p:], ref[:p], ref[p:]
 

@@ -98,7 +98,7 @@ class FlowGRPOObjective:
                        x_next=traj.latents[sl, j + 1].to(device))
 
         def velocity() -> torch.Tensor:
-            return self.adapter.velocity(self.policy.model, x, traj.timesteps[j], cond, traj.guidance_scale)
+            return self.adapter.velocity(self.policy.model, x, traj.timesteps[j], cond, *traj.guidance)
 
         v_old = mean_old = None
         if self.needs_old and self.old_state is not None:  # before the live forward: its graph must stay intact

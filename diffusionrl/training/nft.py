@@ -210,17 +210,17 @@ class NFTObjective(RenoisedUnits):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             ac = self.cfg.algorithm
             device = self.adapter.device
-            model, g = self.policy.model, traj.guidance_scale
+            model, g = self.policy.model, traj.guidance
             x0, eps, t, x_t = self.noised(traj, sl, slot, plan)
             timestep = t * self.num_train_timesteps  # [m]
             cond = traj.conditioning.select(sl).to(device)
             with torch.no_grad(), self.old_weights():
-                v_old = self.adapter.velocity(model, x_t, timestep, cond, g)
-            v = self.adapter.velocity(model, x_t, timestep, cond, g)
+                v_old = self.adapter.velocity(model, x_t, timestep, cond, *g)
+            v = self.adapter.velocity(model, x_t, timestep, cond, *g)
             v_ref = None
             if ac.kl_beta > 0:
                 with torch.no_grad(), self.policy.reference():
-                    v_ref = self.adapter.velocity(model, x_t, timestep, cond, g)
+                    v_ref = self.adapter.velocity(model, x_t, timestep, cond, *g)
             terms = nft_terms(
                 v, v_old, x0, x_t, t, traj.advantages[sl].to(device),
                 beta=ac.nft_beta, adv_clip=ac.nft_adv_clip, kl_beta=ac.kl_beta, v_ref=v_ref,

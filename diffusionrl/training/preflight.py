@@ -5,7 +5,8 @@ loader or the first step is a 30-80-line traceback from deep inside diffusers, p
 safetensors. Everything that can be read without the weights is read here first, each mistake
 one line (a ``UserError``) naming the setting and the fix: the model reference and its folder
 (``models.families.check_model``: a mistyped folder, no ``model_index.json``, an unsupported
-pipeline, a truncated weights file, ``sampling.num_frames`` > 1 for an image model) and the
+pipeline, a truncated weights file, ``sampling.num_frames`` > 1 for an image model, a
+``guidance_scale_2`` for a model without two experts: ``check_guidance_2``) and the
 warm-start LoRA (``check_init_lora``: a missing folder, one that is not a peft LoRA, a rank that
 is not ``model.lora_rank``). Both the one-process worker and the rank group call it, so neither
 the local nor the distributed layout starts loading on inputs that cannot work.
@@ -25,10 +26,11 @@ LORA_HINT = "give a peft LoRA folder (a run's <out>/lora, with adapter_model.saf
 def check_inputs(cfg, model_path: str | None = None) -> None:
     """Check ``cfg``'s model (or the fetched ``model_path`` standing for it) and its
     ``algorithm.init_lora`` before any weights load."""
-    from diffusionrl.models.families import check_model
+    from diffusionrl.models.families import check_guidance_2, check_model
 
     key = "model.name" if not model_path else f"model folder (fetched for model.name={cfg.model.name})"
     check_model(model_path or cfg.model.name, cfg.model.revision, cfg.sampling.num_frames, key=key)
+    check_guidance_2(cfg, model_path or cfg.model.name, key)
     if cfg.algorithm.init_lora:
         check_init_lora(str(cfg.algorithm.init_lora), cfg.model.lora_rank)
 
@@ -84,12 +86,13 @@ def check_early(cfg, run_folder: str = "") -> None:
     fail only inside training, after the model was fetched, and a store without credentials as a
     ``NoCredentialsError`` not naming the URI."""
     from diffusionrl.data import check_sft_source
-    from diffusionrl.models.families import check_model, looks_like_path
+    from diffusionrl.models.families import check_guidance_2, check_model, looks_like_path
     from diffusionrl.run import check_run_folder, check_store_access
 
     ref = cfg.model.name
     if ref.startswith("builtin:") or Path(ref).expanduser().exists() or looks_like_path(ref):  # no hub request
         check_model(ref, cfg.model.revision, cfg.sampling.num_frames)
+        check_guidance_2(cfg, ref)
     if run_folder:
         check_run_folder(run_folder)
         check_store_access(run_folder, "checkpoint_dir")

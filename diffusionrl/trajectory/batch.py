@@ -135,6 +135,7 @@ class Trajectory:
     noise_level: float
     micro_batch_size: int
     policy_version: int = 0
+    guidance_scale_2: float | None = None  # two experts (Wan2.2): the low-noise expert's scale; None: guidance_scale
     images: np.ndarray | None = None  # [B, H, W, 3] uint8 (video: frames [B, F, H, W, 3])
     rewards: torch.Tensor | None = None  # [B] float32
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B]
@@ -147,6 +148,12 @@ class Trajectory:
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    @property
+    def guidance(self) -> tuple[float, float | None]:
+        """``FlowAdapter.velocity``'s guidance arguments as the rollout sampled: ``guidance_scale, guidance_scale_2``
+        (a two-expert model's low-noise steps take the second)."""
+        return self.guidance_scale, self.guidance_scale_2
 
     @property
     def is_video(self) -> bool:

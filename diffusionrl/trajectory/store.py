@@ -107,6 +107,7 @@ OPTIONAL_COLUMNS = [
     "input_image_sha256",  # string: sha256 of the prompt row's input image (editing datasets: rows with ``image``)
     "input_image_uri",  # string (null for generated/bytes rows): where the input image was read from
     "input_image",  # binary: the input image's encoded bytes (with the images, or when it has no URI)
+    "guidance_scale_2",  # float32: two experts (Wan2.2 A14B), the low-noise expert's CFG scale, where it was set
 ]
 
 
@@ -195,6 +196,8 @@ def trajectory_table(
         "metadata_json": pa.array([json.dumps(m, sort_keys=True, default=str) for m in meta], pa.string()),
     }
     cols.update(input_cols)
+    if traj.guidance_scale_2 is not None:
+        cols["guidance_scale_2"] = pa.array([traj.guidance_scale_2] * b, pa.float32())
     for name, values in sorted(traj.reward_components.items()):
         cols[f"reward_{name}"] = pa.array(values.numpy(), pa.float32())
     if images and traj.images is not None and traj.images.ndim == 5:  # videos: lossless PNG frames
@@ -280,6 +283,7 @@ def read_trajectory(path: str | Path) -> Trajectory:
         log_probs=torch.tensor(d["log_probs"], dtype=torch.float32),
         conditioning=Conditioning(*(_mask(emb(n)) if n.endswith("_mask") else emb(n) for n in Conditioning.FIELDS)),
         guidance_scale=float(d["guidance_scale"][0]),
+        guidance_scale_2=float(d["guidance_scale_2"][0]) if "guidance_scale_2" in d else None,
         sde_type=d["sde_type"][0],
         noise_level=float(d["noise_level"][0]),
         micro_batch_size=int(d["micro_batch_size"][0]),
