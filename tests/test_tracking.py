@@ -9,19 +9,18 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-import requests
 import torch
 from mlflow import MlflowClient
 
 from diffusionrl import serving, tracking
 from diffusionrl.config import get_preset
 
+from .cluster_harness import http_ok, spawn, wait_until
 from .conftest import TINY_OVERRIDES, tiny_config
 
 # The workflow's default is tiny-cpu-shapes (the demo); these tests run the faster JPEG task.
@@ -52,27 +51,17 @@ def server(tmp_path_factory):
     """A real MLflow tracking + registry server: SQLite backend, local artifact root."""
     root = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT,
-    )
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+           "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1"]
+    # its own session, so stopping it stops the workers it spawns; a slow /health (a loaded machine) is waited for
+    svc = spawn("mlflow server", cmd, dict(os.environ), root, root / "server.log")
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if requests.get(uri + "/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    yield uri, root
-    proc.terminate()
-    proc.wait(timeout=30)
+    try:
+        wait_until("mlflow server /health", lambda: http_ok(uri + "/health"), 180, [svc])
+        yield uri, root
+    finally:
+        svc.stop()
 
 
 @pytest.fixture(scope="module")
