@@ -1,0 +1,75 @@
+"""``builtin:tiny-qwen-image-edit``: a small Qwen-Image-Edit pipeline (diffusers ``QwenImageEditPlusPipeline``)
+built in code, no download, no torchvision.
+
+The parts of ``builtin:tiny-qwen-image`` (``models/tiny_qwen_image.py``: the QwenImage transformer, the causal
+video VAE, the scheduler with Qwen-Image's dynamic shift) at their own seeds, and what editing adds:
+- Qwen2_5_VLForConditionalGeneration whose one-block vision tower now runs: the input image goes through it
+  (14-px patches, 2x2 merged, temporal patch 2) and its tokens take the ``<|image_pad|>`` positions of the
+  prompt; the config's image, video and vision start/end token ids are the tiny tokenizer's.
+- The tokenizer: the byte-level BPE of ``build_qwen_tokenizer`` with the vision markers as special tokens and
+  the edit template's pieces as added tokens, so the template's prefix is 64 tokens, as with the real
+  tokenizer (the pipeline drops exactly 64 leading positions; ``check_template_prefix``).
+- The processor: transformers' ``Qwen2VLProcessor`` with the PIL image processor (``Qwen2VLImageProcessorPil``)
+  and no video processor. Stock ``Qwen2VLProcessor`` refuses ``video_processor=None`` where torchvision is not
+  installed (``ProcessorMixin.check_argument_for_proper_class`` looks the video processor's base class up in
+  ``VIDEO_PROCESSOR_MAPPING``, a torchvision dummy); ``ImageOnlyQwen2VLProcessor`` accepts None there and is
+  otherwise the stock class (the pipeline never passes videos).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tiny import TINY_SEED, decoder_text_config, frozen
+from .tiny_qwen_image import SPECIAL, build_qwen_tokenizer, build_tiny_qwen_image_components, check_template_prefix
+
+TINY_QWEN_IMAGE_EDIT_REF = "builtin:tiny-qwen-image-edit"
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+# QwenImageEditPlusPipeline's template prefix cut into the real tokenizer's pre-tokens (one token each there):
+# the words, punctuation and "'s" pieces; "\n" is one byte symbol already.
+EDIT_TEMPLATE_WORDS = ["system", "user", "Describe", "color", "'s", "),", " (", ",", ".", " Generate"] + [
+    " " + w for w in ("the key features of input image shape size texture objects background then explain how "
+                      "user text instruction should alter or modify a new that meets requirements while maintaining "
+                      "consistency with original where appropriate").split()]
+
+
+def image_only_processor_class():
+    """``Qwen2VLProcessor`` accepting ``video_processor=None`` without torchvision (see the module docstring)."""
+    from transformers import Qwen2VLProcessor
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return type(None)
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImageOnlyQwen2VLProcessor
+
+
+def build_tiny_qwen_image_edit_components() -> dict:
+    """All components of a tiny Qwen-Image-Edit pipeline, in eval mode, fp32, CPU."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = build_qwen_tokenizer(EDIT_TEMPLATE_WORDS, SPECIAL + VISION_TOKENS)
+    ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
+                   tok.convert_tokens_to_ids(VISION_TOKENS)))
+    components = build_tiny_qwen_image_components()  # transformer, VAE, scheduler (their seeds); new text encoder
+    torch.manual_seed(TINY_SEED + 24)
+    components["text_encoder"] = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=decoder_text_config(len(tok), 32, 2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0]),
+        **ids,
+    ))
+    processor = image_only_processor_class()(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tok,
+                                             video_processor=None)
+    return frozen({**components, "tokenizer": tok, "processor": processor})
+
+
+def build_tiny_qwen_image_edit_pipeline():
+    from diffusers import QwenImageEditPlusPipeline
+
+    pipe = QwenImageEditPlusPipeline(**build_tiny_qwen_image_edit_components())
+    check_template_prefix(pipe)
+    return pipe
