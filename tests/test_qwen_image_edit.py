@@ -18,6 +18,7 @@ from diffusionrl.models import (
     QwenImageEditAdapter,
     adapter_class,
     build_tiny_qwen_image_edit_pipeline,
+    save_builtin,
 )
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
@@ -54,7 +55,7 @@ def edit():
     return adapter
 
 
-def test_the_builtin_is_the_stock_edit_pipeline_with_a_processor_that_needs_no_torchvision(edit):
+def test_the_builtin_is_the_stock_edit_pipeline_with_a_processor_that_needs_no_torchvision(edit, tmp_path):
     from diffusers import QwenImageEditPlusPipeline
     from transformers import Qwen2VLProcessor
 
@@ -65,6 +66,8 @@ def test_the_builtin_is_the_stock_edit_pipeline_with_a_processor_that_needs_no_t
     prefix = edit.pipe.prompt_template_encode.split("{}")[0]
     assert len(edit.pipe.tokenizer(prefix).input_ids) == edit.pipe.prompt_template_encode_start_idx == 64
     assert "torchvision" not in sys.modules
+    with pytest.raises(NotImplementedError, match="no video processor.*torchvision"):
+        save_builtin(TINY_QWEN_IMAGE_EDIT_REF, tmp_path / "tiny")
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 4.0])

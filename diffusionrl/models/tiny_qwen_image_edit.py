@@ -13,7 +13,8 @@ video VAE, the scheduler with Qwen-Image's dynamic shift) at their own seeds, an
   and no video processor. Stock ``Qwen2VLProcessor`` refuses ``video_processor=None`` where torchvision is not
   installed (``ProcessorMixin.check_argument_for_proper_class`` looks the video processor's base class up in
   ``VIDEO_PROCESSOR_MAPPING``, a torchvision dummy); ``ImageOnlyQwen2VLProcessor`` accepts None there and is
-  otherwise the stock class (the pipeline never passes videos).
+  otherwise the stock class (the pipeline never passes videos). For the same reason the builtin cannot be
+  written as a folder (``models.save_builtin`` raises: loading one would build a video processor).
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def image_only_processor_class():
             if argument_name == "video_processor" and argument is None:
                 return type(None)
             return super().check_argument_for_proper_class(argument_name, argument)
+
+        def save_pretrained(self, *args, **kwargs):
+            # transformers saves every attribute (None has no _auto_class), and loading a Qwen2VLProcessor
+            # folder builds its video processor, which needs torchvision: no folder round trip here
+            raise NotImplementedError(
+                f"{TINY_QWEN_IMAGE_EDIT_REF} has no video processor (none can be built without torchvision), "
+                "so it cannot be saved as a diffusers folder that QwenImageEditPlusPipeline.from_pretrained loads; "
+                "use the builtin reference itself")
 
     return ImageOnlyQwen2VLProcessor
 
