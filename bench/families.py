@@ -15,9 +15,14 @@
   step's, in units of the first step's reward std (target >= 2 within 10 minutes).
 
 A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
-from the preset's model reference).
+from the preset's model reference). An editing family (``adapter.editing``: qwen-image-edit) edits the
+input images of its preset's dataset rows (the first training rows), and its stock pipeline runs one
+edit a call (``stock_edit``: ``QwenImageEditPlusPipeline`` takes one prompt; its VAE image area set to
+the sampling resolution's, the size the adapter encodes the input at), so ``stock_images_per_s`` is that
+pipeline's one-at-a-time rate.
 
-    python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,wan22] [--budget-s 600] [--repeats 5]
+    python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,wan22,qwen-image-edit]
+                             [--budget-s 600] [--repeats 5]
                              [--threads 1] [--skip-learning]
 """
 
@@ -44,7 +49,7 @@ from diffusionrl.training.trainer import UpdateStats
 # family -> its tiny preset
 FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan",
             "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "flux2-klein": "tiny-cpu-flux2-klein",
-            "wan22": "tiny-cpu-wan22"}
+            "wan22": "tiny-cpu-wan22", "qwen-image-edit": "tiny-cpu-qwen-image-edit"}
 # The learning run's reward where it is not jpeg_compressibility alone: a video family learns its
 # preset's reward, per-frame JPEG compressibility + temporal consistency (on tiny-wan, 40 steps: the
 # per-frame JPEG reward alone gains ~0.7 first-step stds, the sum ~6).
@@ -65,12 +70,53 @@ def stock(adapter, spec: SamplingSpec, **kwargs):
     return out.frames if adapter.video else out.images
 
 
-def ode_parity(adapter, spec: SamplingSpec, batch: int = 4) -> float:
+def edit_rows(cfg, n: int) -> tuple[list[str], list[dict]]:
+    """An editing family's ``n`` prompts and their rows' metadata (the input image) from its preset's data."""
+    from diffusionrl.data import load_prompts
+
+    rows = load_prompts(cfg.data).train[:n]
+    if len(rows) < n:
+        raise SystemExit(f"{cfg.data.source} has {len(rows)} training rows; the bench edits {n}")
+    return [r["prompt"] for r in rows], [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
+
+
+def stock_edit(adapter, spec: SamplingSpec, prompts: list[str], metadata: list[dict], latents=None,
+               generators=None, output_type: str = "latent"):
+    """An editing family's stock pipeline, one edit a call, its outputs stacked."""
+    from unittest import mock
+
+    from PIL import Image
+
+    from diffusionrl.data.images import row_images
+
+    if adapter.family != "qwen-image-edit":
+        raise SystemExit(f"bench/families.py has no stock call for the editing family {adapter.family}")
+    outs = []
+    adapter.pipe.set_progress_bar_config(disable=True)
+    guidance = adapter.pipeline_kwargs(spec.guidance_scale, spec.negative_prompt)
+    with mock.patch("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE", spec.resolution ** 2):
+        for i, (prompt, image) in enumerate(zip(prompts, row_images(metadata))):
+            one = {} if latents is None else {"latents": latents[i:i + 1]}
+            one.update({} if generators is None else {"generator": generators[i]})
+            outs.append(adapter.pipe(prompt=prompt, image=Image.fromarray(image), height=spec.resolution,
+                                     width=spec.resolution, num_inference_steps=spec.num_steps, output_type=output_type,
+                                     **guidance, **one).images)
+    return torch.cat(outs) if output_type == "latent" else np.concatenate(outs)
+
+
+def ode_parity(adapter, spec: SamplingSpec, batch: int = 4, cfg=None) -> float:
     spec = dataclasses.replace(spec, sde_type="ode")
     prompts, seeds = PROMPTS[:batch], list(range(batch))
-    traj = LocalRolloutEngine(adapter, adapter.transformer, batch).generate(prompts, list(range(batch)), seeds, spec)
+    metadata = None
+    if adapter.editing:
+        prompts, metadata = edit_rows(cfg, batch)
+    traj = LocalRolloutEngine(adapter, adapter.transformer, batch).generate(prompts, list(range(batch)), seeds, spec,
+                                                                            None, metadata)
     x0 = traj.latents[:, 0]  # the engine's initial noise, drawn from each sample's seed
-    out = stock(adapter, spec, prompt=prompts, latents=adapter.to_pipeline_latents(x0), output_type="latent")
+    if adapter.editing:
+        out = stock_edit(adapter, spec, prompts, metadata, latents=adapter.to_pipeline_latents(x0))
+    else:
+        out = stock(adapter, spec, prompt=prompts, latents=adapter.to_pipeline_latents(x0), output_type="latent")
     return float((adapter.from_pipeline_latents(out, spec.resolution) - traj.latents[:, -1]).abs().max())
 
 
@@ -99,19 +145,26 @@ def exactness(preset: str) -> dict:
     return {"recompute_mean_abs": diff, "recompute_pairs": pairs, "grad_split_max_rel": rel}
 
 
-def speed(adapter, spec: SamplingSpec, images: int, repeats: int) -> dict:
+def speed(adapter, spec: SamplingSpec, images: int, repeats: int, cfg=None) -> dict:
     group = 4
     prompts = [PROMPTS[(i // group) % len(PROMPTS)] for i in range(images)]
+    metadata = None
+    if adapter.editing:  # each group edits one row's input image
+        rows, row_meta = edit_rows(cfg, -(-images // group))
+        prompts, metadata = [rows[i // group] for i in range(images)], [row_meta[i // group] for i in range(images)]
     groups, seeds = [i // group for i in range(images)], list(range(images))
     engine = LocalRolloutEngine(adapter, adapter.transformer, micro_batch_size=images)
     adapter.pipe.set_progress_bar_config(disable=True)
 
     def ours() -> None:
-        engine.generate(prompts, groups, seeds, spec)
+        engine.generate(prompts, groups, seeds, spec, None, metadata)
 
     def theirs() -> None:
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        stock(adapter, spec, prompt=prompts, output_type="np", generator=generators)
+        if adapter.editing:
+            stock_edit(adapter, spec, prompts, metadata, generators=generators, output_type="np")
+        else:
+            stock(adapter, spec, prompt=prompts, output_type="np", generator=generators)
 
     for fn in (ours, theirs):  # warm-up
         fn()
@@ -146,8 +199,8 @@ def main() -> None:
         spec = SamplingSpec.from_config(cfg)
         result = {"family": family, "preset": preset, "model": cfg.model.name, "resolution": spec.resolution,
                   "steps": spec.num_steps, "guidance_scale": spec.guidance_scale,
-                  "ode_parity_max_abs": ode_parity(adapter, spec), **exactness(preset),
-                  **speed(adapter, spec, args.images, args.repeats)}
+                  "ode_parity_max_abs": ode_parity(adapter, spec, cfg=cfg), **exactness(preset),
+                  **speed(adapter, spec, args.images, args.repeats, cfg=cfg)}
         if not args.skip_learning:
             learned = learning_run(None, None, args.budget_s, LEARNING_OVERRIDES.get(family, []), preset=preset)
             result["learning"] = {k: learned[k] for k in ("gain_in_std", "steps", "wall_s", "reward_first",
