@@ -13,11 +13,15 @@ video VAE, the scheduler with Qwen-Image's dynamic shift) at their own seeds, an
   and no video processor. Stock ``Qwen2VLProcessor`` refuses ``video_processor=None`` where torchvision is not
   installed (``ProcessorMixin.check_argument_for_proper_class`` looks the video processor's base class up in
   ``VIDEO_PROCESSOR_MAPPING``, a torchvision dummy); ``ImageOnlyQwen2VLProcessor`` accepts None there and is
-  otherwise the stock class (the pipeline never passes videos). For the same reason the builtin cannot be
-  written as a folder (``models.save_builtin`` raises: loading one would build a video processor).
+  otherwise the stock class (the pipeline never passes videos). It saves and loads its tokenizer and image
+  processor only, so ``models.save_builtin`` writes a folder that ``QwenImageEditPlusPipeline.from_pretrained``
+  loads without torchvision (``model_index.json`` names this module's ``ImageOnlyQwen2VLProcessor``).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -34,9 +38,16 @@ EDIT_TEMPLATE_WORDS = ["system", "user", "Describe", "color", "'s", "),", " (", 
                       "consistency with original where appropriate").split()]
 
 
+@functools.cache
 def image_only_processor_class():
-    """``Qwen2VLProcessor`` accepting ``video_processor=None`` without torchvision (see the module docstring)."""
-    from transformers import Qwen2VLProcessor
+    """``Qwen2VLProcessor`` accepting ``video_processor=None`` without torchvision (see the module docstring),
+    built on first use (transformers is imported then); the module's ``ImageOnlyQwen2VLProcessor``, which is
+    where diffusers' ``from_pretrained`` finds it (``model_index.json`` names this module and class).
+
+    Saved as its tokenizer's files and its image processor's ``preprocessor_config.json``, and loaded from
+    them (``from_pretrained``), so a saved pipeline folder loads without building a video processor."""
+    from transformers import Qwen2Tokenizer, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
         def check_argument_for_proper_class(self, argument_name, argument):
@@ -44,15 +55,34 @@ def image_only_processor_class():
                 return type(None)
             return super().check_argument_for_proper_class(argument_name, argument)
 
-        def save_pretrained(self, *args, **kwargs):
-            # transformers saves every attribute (None has no _auto_class), and loading a Qwen2VLProcessor
-            # folder builds its video processor, which needs torchvision: no folder round trip here
-            raise NotImplementedError(
-                f"{TINY_QWEN_IMAGE_EDIT_REF} has no video processor (none can be built without torchvision), "
-                "so it cannot be saved as a diffusers folder that QwenImageEditPlusPipeline.from_pretrained loads; "
-                "use the builtin reference itself")
+        def save_pretrained(self, save_directory, **kwargs):
+            os.makedirs(save_directory, exist_ok=True)
+            self.tokenizer.save_pretrained(save_directory)
+            self.image_processor.save_pretrained(save_directory)
+            return [str(save_directory)]
 
+        @classmethod
+        def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+            where = {k: kwargs[k] for k in ("cache_dir", "local_files_only", "revision", "token") if k in kwargs}
+            return cls(image_processor=Qwen2VLImageProcessorPil.from_pretrained(pretrained_model_name_or_path, **where),
+                       tokenizer=Qwen2Tokenizer.from_pretrained(pretrained_model_name_or_path, **where),
+                       video_processor=None)
+
+    ImageOnlyQwen2VLProcessor.__module__ = __name__
+    ImageOnlyQwen2VLProcessor.__qualname__ = "ImageOnlyQwen2VLProcessor"
     return ImageOnlyQwen2VLProcessor
+
+
+def __getattr__(name: str):
+    """Lazy module attributes: the processor class, and its base ``ProcessorMixin``, which diffusers looks up
+    in a component's module to pick its load method (as if imported here)."""
+    if name == "ImageOnlyQwen2VLProcessor":
+        return image_only_processor_class()
+    if name == "ProcessorMixin":
+        from transformers import ProcessorMixin
+
+        return ProcessorMixin
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_tiny_qwen_image_edit_components() -> dict:
