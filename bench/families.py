@@ -15,14 +15,17 @@
   step's, in units of the first step's reward std (target >= 2 within 10 minutes).
 
 A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
-from the preset's model reference). An editing family (``adapter.editing``: FLUX.1 Kontext) edits the
-input images of its preset's prompt rows (``builtin:shape-edits``: an instruction and its source scene):
-our engine gets them as the rows' metadata, the stock pipeline as ``image=`` (a list, one per prompt),
-at the sample's area without Kontext's preferred-resolution resize (``max_area``, ``_auto_resize=False``),
-as ``tests/test_flux_kontext.py`` calls it.
+from the preset's model reference). An editing family (``adapter.editing``: FLUX.1 Kontext,
+Qwen-Image-Edit) edits the input images of its preset's prompt rows (``builtin:shape-edits``: an
+instruction and its source scene): our engine gets them as the rows' metadata, the stock pipeline as
+``image=``. Kontext's takes a list, one per prompt, at the sample's area without its preferred-resolution
+resize (``max_area``, ``_auto_resize=False``), as ``tests/test_flux_kontext.py`` calls it;
+``QwenImageEditPlusPipeline`` takes one prompt a call, so it runs one edit a call with its VAE image area set
+to the sampling resolution's (the size the adapter encodes the input at), and its ``stock_images_per_s`` is
+that one-at-a-time rate.
 
-    python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,flux2-klein,wan22,flux-kontext]
-                             [--budget-s 600] [--repeats 5] [--threads 1] [--skip-learning]
+    python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,flux2-klein,wan22,flux-kontext,
+                                         qwen-image-edit] [--budget-s 600] [--repeats 5] [--threads 1] [--skip-learning]
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from diffusionrl.training.trainer import UpdateStats
 # family -> its tiny preset
 FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan",
             "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "flux2-klein": "tiny-cpu-flux2-klein",
-            "wan22": "tiny-cpu-wan22", "flux-kontext": "tiny-cpu-flux-kontext"}
+            "wan22": "tiny-cpu-wan22", "flux-kontext": "tiny-cpu-flux-kontext",
+            "qwen-image-edit": "tiny-cpu-qwen-image-edit"}
 # The learning run's reward where it is not jpeg_compressibility alone: a video family learns its
 # preset's reward, per-frame JPEG compressibility + temporal consistency (on tiny-wan, 40 steps: the
 # per-frame JPEG reward alone gains ~0.7 first-step stds, the sum ~6).
@@ -75,6 +79,8 @@ def stock(adapter, spec: SamplingSpec, metadata: list[dict] | None = None, **kwa
     the rows' input images for an editing family: its ``.frames`` (video) or ``.images``."""
     from PIL import Image
 
+    if adapter.family == "qwen-image-edit":
+        return stock_one_by_one(adapter, spec, metadata, **kwargs)
     frames = {"num_frames": spec.num_frames} if adapter.video else {}
     references = row_images(metadata)
     if references is not None:  # the input images at the sample's area, as our engine encodes them
@@ -85,6 +91,26 @@ def stock(adapter, spec: SamplingSpec, metadata: list[dict] | None = None, **kwa
                        **adapter.pipeline_kwargs(spec.guidance_scale, [spec.negative_prompt] * len(kwargs["prompt"])),
                        **kwargs)
     return out.frames if adapter.video else out.images
+
+
+def stock_one_by_one(adapter, spec: SamplingSpec, metadata: list[dict], prompt: list[str], latents=None,
+                     generator=None, output_type: str = "latent"):
+    """``QwenImageEditPlusPipeline``, one edit a call (it takes one prompt), its outputs stacked; its VAE
+    image area is the sampling resolution's, as the adapter encodes the input image."""
+    from unittest import mock
+
+    from PIL import Image
+
+    outs = []
+    guidance = adapter.pipeline_kwargs(spec.guidance_scale, spec.negative_prompt)
+    with mock.patch("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE", spec.resolution ** 2):
+        for i, (text, image) in enumerate(zip(prompt, row_images(metadata))):
+            one = {} if latents is None else {"latents": latents[i:i + 1]}
+            one.update({} if generator is None else {"generator": generator[i]})
+            outs.append(adapter.pipe(prompt=text, image=Image.fromarray(image), height=spec.resolution,
+                                     width=spec.resolution, num_inference_steps=spec.num_steps, output_type=output_type,
+                                     **guidance, **one).images)
+    return torch.cat(outs) if output_type == "latent" else np.concatenate(outs)
 
 
 def ode_parity(adapter, cfg, spec: SamplingSpec, batch: int = 4) -> float:

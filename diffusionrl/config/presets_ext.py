@@ -1,5 +1,5 @@
-"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2, Wan2.2, FLUX.1 Kontext and
-shape edits.
+"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2, Wan2.2, FLUX.1 Kontext,
+shape edits and Qwen-Image-Edit.
 
 ``TINY_EXT_PRESETS`` are laid over ``presets.TINY_CPU`` (as every ``tiny-cpu-*`` preset);
 ``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both, and
@@ -239,6 +239,23 @@ TINY_CPU_SHAPE_EDITS: dict[str, Any] = {
     "tracking": {"registered_model": "tiny-flux-kontext-shapes"},
 }
 
+# Over TINY_CPU: Flow-GRPO on builtin:tiny-qwen-image-edit (Qwen-Image-Edit, QwenImageEditPlusPipeline: the input
+# image reaches the Qwen2.5-VL text encoder and, VAE-encoded, the transformer), tiny-cpu-qwen-image's settings
+# (true CFG 4 with a " " negative prompt, LoRA on both streams and the output projection), on builtin:shape-edits
+# rows judged by the shape_edit reward. The tiny model is untrained: the reward is the task's, not yet a signal.
+TINY_CPU_QWEN_IMAGE_EDIT: dict[str, Any] = {
+    "data": {"source": "builtin:shape-edits"},
+    "model": {"name": "builtin:tiny-qwen-image-edit",
+              "lora_targets": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                               "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj",
+                               "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",  # Qwen-Image's default
+                               "proj_out"]},
+    "reward": {"weights": {"shape_edit": 1.0}},
+    "sampling": {"guidance_scale": 4.0, "negative_prompt": " "},
+    "eval": {"guidance_scale": 4.0},
+    "tracking": {"registered_model": "tiny-qwen-image-edit-shapes"},
+}
+
 TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-mixgrpo": (TINY_CPU_MIXGRPO,),
     "tiny-cpu-zimage": (TINY_CPU_ZIMAGE,),
@@ -246,6 +263,7 @@ TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-flux2-klein": (TINY_CPU_FLUX2_KLEIN,),
     "tiny-cpu-flux-kontext": (TINY_CPU_FLUX_KONTEXT,),
     "tiny-cpu-shape-edits": (TINY_CPU_SHAPE_EDITS,),
+    "tiny-cpu-qwen-image-edit": (TINY_CPU_QWEN_IMAGE_EDIT,),
 }
 GPU_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "zimage-turbo-pickscore": (ZIMAGE_TURBO_PICKSCORE,),

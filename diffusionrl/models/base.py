@@ -102,7 +102,7 @@ class FlowAdapter(LoraTargets):
     components: tuple[str, ...] = ()  # the pipeline's modules (frozen, eval mode, digested)
     pipeline_logger = ""  # the diffusers pipeline module whose truncation warnings are replaced
     video = False  # True: samples are videos (latents [C, F', H, W], decoded frames [F, H, W, 3])
-    editing = False  # True: samples edit the prompt row's input image (``encode_references``; FLUX.1 Kontext)
+    editing = False  # True: samples edit the prompt row's input image (``encode_references``; Kontext, Qwen-Image-Edit)
 
     def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
         self.pipe = pipe.to(device)
@@ -227,6 +227,16 @@ class FlowAdapter(LoraTargets):
             cond.negative_pooled_embeds = neg_pooled.expand(b, *neg_pooled.shape[1:]).contiguous()
             if neg_mask is not None:
                 cond.negative_prompt_embeds_mask = neg_mask.expand(b, *neg_mask.shape[1:]).contiguous()
+        return cond
+
+    def encode_conditioning(self, prompts: list[str], negative_prompt: str | None, max_sequence_length: int,
+                            references: list[np.ndarray] | None = None, resolution: int | None = None) -> Conditioning:
+        """A rollout's conditioning: ``encode_prompts``, and where the rows carry input images (``references``,
+        uint8 RGB; an editing family) their latents (``encode_references`` at ``resolution``). A family whose
+        text encoding also sees the input image (Qwen-Image-Edit) overrides it."""
+        cond = self.encode_prompts(prompts, negative_prompt, max_sequence_length)
+        if references is not None:
+            cond.image_latents = self.encode_references(references, resolution)
         return cond
 
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:

@@ -14,7 +14,7 @@ import torch
 class TextSide:
     """One side of a ``Conditioning`` as one forward takes it: the prompts' or the negative prompt's
     embeddings ``[N, S, D]``, pooled embeddings ``[N, P]`` and token mask ``[N, S]`` (or None); ``image``:
-    the input image's latents ``[N, C, h, w]`` of an editing family (FLUX.1 Kontext), else None."""
+    the input image's latents ``[N, C, h, w]`` of an editing family (FLUX.1 Kontext, Qwen-Image-Edit), else None."""
 
     embeds: torch.Tensor
     pooled: torch.Tensor

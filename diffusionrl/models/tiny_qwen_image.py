@@ -29,10 +29,10 @@ TEMPLATE_WORDS = ["system", "user", "assistant", "Describe"] + [" " + w for w in
     "background").split()]
 
 
-def build_qwen_tokenizer():
+def build_qwen_tokenizer(template_words: list[str] = TEMPLATE_WORDS, special: list[str] = SPECIAL):
     """Byte-level BPE over the 256 byte symbols, with merges along the tiny vocabulary's words (with
     and without a leading space, ``Ġ``; where merges of several words compete a word may take a few
-    tokens), the template's markers as special tokens and its words as added tokens."""
+    tokens), the template's markers (``special``) as special tokens and its words as added tokens."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -50,8 +50,8 @@ def build_qwen_tokenizer():
                     vocab[merged] = len(vocab)
                 piece = merged
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tok.add_tokens(TEMPLATE_WORDS)
+    tok.add_special_tokens({"additional_special_tokens": special})
+    tok.add_tokens(template_words)
     return tok
 
 

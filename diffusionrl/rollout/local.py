@@ -77,14 +77,13 @@ class LocalRolloutEngine:
         batch = RolloutBatch.prepare(prompts, group_ids, seeds, spec, sde_mask, self.micro_batch_size, metadata)
         sigmas, timesteps = batch.schedule(*self.adapter.schedule(spec.num_steps, spec.resolution))
         negative = spec.negative_prompt if self.adapter.needs_negative(spec.guidance_scale) else None
-        cond = self.adapter.encode_prompts(prompts, negative, spec.max_sequence_length)
         references = row_images(metadata)  # the rows' input images (an editing dataset), else None
-        if references is not None:
-            if not self.adapter.editing:
-                raise ConfigError(f"the prompt rows carry an input image ('image'), but {self.adapter.family} "
-                                  "is a text-to-image model; use an editing model (e.g. builtin:tiny-flux-kontext) "
-                                  "or prompts without images")
-            cond.image_latents = self.adapter.encode_references(references, spec.resolution)
+        if references is not None and not self.adapter.editing:
+            raise ConfigError(f"the prompt rows carry an input image ('image'), but {self.adapter.family} "
+                              "is a text-to-image model; use an editing model (e.g. builtin:tiny-flux-kontext) "
+                              "or prompts without images")
+        cond = self.adapter.encode_conditioning(prompts, negative, spec.max_sequence_length, references,
+                                                spec.resolution)
 
         latents, log_probs, images = [], [], []
         micro = batch.micro_batch_size

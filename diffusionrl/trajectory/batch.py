@@ -29,7 +29,7 @@ class Conditioning:
     # (Qwen-Image); None where every token counts (SD3, FLUX) or, as diffusers does, none is padding
     prompt_embeds_mask: torch.Tensor | None = None
     negative_prompt_embeds_mask: torch.Tensor | None = None  # [B, S']
-    # [B, C, h, w] float32: the input image's spatial VAE latents (editing families: FLUX.1 Kontext); None for
+    # [B, C, h, w] float32: the input image's spatial VAE latents (editing families: Kontext, Qwen-Image-Edit); None for
     # text-to-image. Same layout as the trajectory's latents, so rollouts, recompute and the trainer select it alike.
     image_latents: torch.Tensor | None = None
 

@@ -1,0 +1,153 @@
+"""Model-family adapter for Qwen-Image-Edit (diffusers ``QwenImageEditPlusPipeline``): image editing.
+
+Qwen-Image-Edit is Qwen-Image (``models/qwen_image.py``: true CFG with the per-token norm rescale, packed
+latents, the video VAE) that sees the image to edit twice, as the stock pipeline does it:
+- In the text: Qwen2.5-VL encodes the edit template around ``"Picture 1: <|vision_start|><|image_pad|>
+  <|vision_end|>" + prompt`` with the input image (resized to ``CONDITION_IMAGE_SIZE`` = 384x384 pixels of
+  area at its aspect, then the VL processor's 28-px grid) through its vision tower; its last hidden state,
+  the template's 64 leading tokens dropped, is the prompt embedding. The negative prompt is encoded with the
+  same image, so both sides differ per input image. The pipeline encodes one prompt at a time (batch 1) and
+  cuts nothing (``model.max_sequence_length`` does not apply); ``encode_conditioning`` encodes each distinct
+  (prompt, image) pair alone and pads the batch to its longest with a token mask.
+- In the latents: the image VAE-encoded (the posterior's mode, normalised per channel) at the sampling
+  resolution's area at its aspect in 32-px steps (the pipeline's ``calculate_dimensions`` with
+  ``VAE_IMAGE_SIZE`` = resolution^2; the stock value, 1024^2, would dwarf a small training resolution), kept
+  spatial in ``Conditioning.image_latents``; its packed tokens follow the noisy latents' in the transformer's
+  sequence, ``img_shapes`` lists both grids, and the velocity is the output's first ``(H/2)(W/2)`` tokens.
+- The schedule's shift counts the noisy latents' tokens only (as ``PackedLatents`` does).
+Without an input image (rows with no ``image``) the prompt is encoded with the edit template and no picture,
+and the transformer sees the noisy latents only (the pipeline's encoding with ``image=None``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from diffusionrl.trajectory import Conditioning
+
+from .packed import pack
+from .qwen_image import QwenImageAdapter
+from .textside import TextSide
+from .tiny_qwen_image_edit import TINY_QWEN_IMAGE_EDIT_REF, build_tiny_qwen_image_edit_pipeline
+
+__all__ = ["QwenImageEditAdapter"]
+
+
+def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Embeddings ``[S_i, D]`` -> ``[N, max S, D]`` zero-padded, with a token mask (1 = real) or None where no
+    row is padded (as the pipeline's ``encode_prompt`` returns it)."""
+    s = max(r.shape[0] for r in rows)
+    embeds = torch.stack([torch.nn.functional.pad(r, (0, 0, 0, s - r.shape[0])) for r in rows])
+    if all(r.shape[0] == s for r in rows):
+        return embeds, None
+    mask = torch.stack([(torch.arange(s, device=r.device) < r.shape[0]).long() for r in rows])
+    return embeds, mask
+
+
+class QwenImageEditAdapter(QwenImageAdapter):
+    """Qwen-Image-Edit (Plus, the 2509/2511 releases' pipeline) behind the interface the engines and the trainer use."""
+
+    family = "qwen-image-edit"
+    pipeline_class = "QwenImageEditPlusPipeline"
+    builtin = TINY_QWEN_IMAGE_EDIT_REF
+    pipeline_logger = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"
+    editing = True
+
+    @staticmethod
+    def build_tiny():
+        return build_tiny_qwen_image_edit_pipeline()
+
+    def _token_limits(self, max_sequence_length: int) -> list[tuple[object, int, str]]:
+        return []  # the pipeline's encode_prompt cuts nothing
+
+    # -- the input image ---------------------------------------------------------------------------
+    @staticmethod
+    def _dimensions(area: int, height: int, width: int) -> tuple[int, int]:
+        """``(height, width)`` of ``area`` pixels at the image's aspect, in 32-px steps (the pipeline's rule)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+        w, h = calculate_dimensions(area, width / height)
+        return max(int(h), 32), max(int(w), 32)  # a side the rule rounds to 0 (a thin image) keeps one step
+
+    def reference_size(self, height: int, width: int, resolution: int) -> tuple[int, int]:
+        """``(height, width)`` in pixels the input image is VAE-encoded at (see the module docstring)."""
+        return self._dimensions(resolution * resolution, height, width)
+
+    def condition_image(self, image: np.ndarray):
+        """The PIL image the VL text encoder sees: the input at ``CONDITION_IMAGE_SIZE`` (the pipeline's resize)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE
+        from PIL import Image
+
+        h, w = self._dimensions(CONDITION_IMAGE_SIZE, *image.shape[:2])
+        return self.pipe.image_processor.resize(Image.fromarray(np.ascontiguousarray(image)), h, w)
+
+    @torch.no_grad()
+    def encode_references(self, images: list[np.ndarray], resolution: int) -> torch.Tensor:
+        """RGB uint8 input images -> their latents ``[B, 16, h, w]`` float32 on the adapter's device. Each
+        distinct image is encoded once and alone, so its latents do not depend on the batch it came in."""
+        from PIL import Image
+
+        sizes = {self.reference_size(im.shape[0], im.shape[1], resolution) for im in images}
+        if len(sizes) > 1:
+            raise ValueError(f"the input images of one rollout come out at {len(sizes)} sizes {sorted(sizes)} at "
+                             f"resolution {resolution}; give the images of an editing dataset one aspect ratio")
+        (h, w), = sizes
+        encoded: dict[bytes, torch.Tensor] = {}
+        out = []
+        for im in images:
+            key = im.tobytes() + str(im.shape).encode()
+            if key not in encoded:
+                pil = Image.fromarray(np.ascontiguousarray(im))
+                x = self.pipe.image_processor.preprocess(pil, h, w).unsqueeze(2)  # the pipeline's steps
+                z = self.pipe._encode_vae_image(x.to(self.device, self.pipe.vae.dtype), generator=None)
+                encoded[key] = z[:, :, 0].float()
+            out.append(encoded[key])
+        return torch.cat(out)
+
+    # -- text: prompt and input image together ---------------------------------------------------
+    @torch.no_grad()
+    def encode_conditioning(self, prompts: list[str], negative_prompt: str | None, max_sequence_length: int,
+                            references: list[np.ndarray] | None = None, resolution: int | None = None) -> Conditioning:
+        if references is None:
+            return super().encode_conditioning(prompts, negative_prompt, max_sequence_length)
+        keys = [im.tobytes() + str(im.shape).encode() for im in references]
+        pictures: dict = {}
+        for key, im in zip(keys, references):
+            if key not in pictures:
+                pictures[key] = self.condition_image(im)
+        encoded: dict[tuple[str, bytes], torch.Tensor] = {}
+
+        def encode(text: str, key: bytes) -> torch.Tensor:
+            if (text, key) not in encoded:
+                embeds, _ = self.pipe.encode_prompt(prompt=[text], image=[pictures[key]], device=self.device)
+                encoded[text, key] = embeds[0]
+            return encoded[text, key]
+
+        b = len(prompts)
+        embeds, mask = pad_rows([encode(p, k) for p, k in zip(prompts, keys)])
+        cond = Conditioning(embeds, embeds.new_zeros(b, 0), prompt_embeds_mask=mask)
+        if negative_prompt is not None:
+            neg, neg_mask = pad_rows([encode(negative_prompt, k) for k in keys])
+            cond.negative_prompt_embeds, cond.negative_pooled_embeds = neg, neg.new_zeros(b, 0)
+            cond.negative_prompt_embeds_mask = neg_mask
+        cond.image_latents = self.encode_references(references, resolution)
+        return cond
+
+    # -- the transformer: noisy tokens, then the input image's ------------------------------------
+    def _forward(self, transformer, x, t, side: TextSide, guidance_scale, dtype) -> torch.Tensor:
+        if side.image is None:
+            return super()._forward(transformer, x, t, side, guidance_scale, dtype)
+        h, w = x.shape[-2:]
+        rh, rw = side.image.shape[-2:]
+        tokens = torch.cat([pack(x), pack(side.image.to(self.device, dtype))], dim=1)
+        out = transformer(
+            hidden_states=tokens,
+            timestep=t / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=None if side.mask is None else side.mask.to(self.device),
+            encoder_hidden_states=side.embeds.to(self.device, dtype),
+            img_shapes=[[(1, h // 2, w // 2), (1, rh // 2, rw // 2)]] * x.shape[0],
+            return_dict=False,
+        )[0]
+        return out[:, : (h // 2) * (w // 2)]
