@@ -10,8 +10,10 @@ calibration), the unedited inputs (a copy of the source image: must succeed nowh
 ``--model M`` (an editing model, e.g. ``builtin:tiny-flux-kontext-shapes``) adds its edits of the same rows,
 sampled as the ``tiny-cpu-shape-edits`` preset's evaluation does (ODE, ``--steps``, ``--seeds`` seeds per
 row from the evaluation seed, CFG-free), and ``--lora DIR`` those of the model with a LoRA a run wrote (same
-seeds). ``--grid PATH`` writes a PNG of the first ``--grid-rows`` samples, one column each, bands from top
-to bottom: input | expected target | model's edit | tuned edit (with ``--lora``).
+seeds), with ``tuned_success_gain``: the gain in overall success and its 90 % paired bootstrap interval over
+the samples, within each category (``gain_interval``). ``--grid PATH`` writes a PNG of the first
+``--grid-rows`` samples, one column each, bands from top to bottom: input | expected target | model's edit |
+tuned edit (with ``--lora``).
 
     python bench/shape_edits.py [--rows N] [--split test|train|all] [--seed S] [--test-fraction F]
         [--model M [--lora DIR] [--steps T] [--seeds K] [--grid PATH]]
@@ -54,6 +56,17 @@ def judged(images: np.ndarray, rows: list[dict]) -> dict:
            for c in CATEGORIES if np.any(categories == c)}
     overall = {k: round(float(np.mean([p[k] for p in per.values()])), 4) for k in values}
     return {"overall": overall, "per_category": per, "failures": result.failures}
+
+
+def gain_interval(base: np.ndarray, tuned: np.ndarray, rows: list[dict], resamples: int = 2000) -> dict:
+    """The tuned model's success gain over the model's (overall: the mean of the categories, as ``judged``)
+    and its 90 % paired bootstrap interval, resampling each category's samples (``report.category_table``'s rule)."""
+    categories = np.array([r["category"] for r in rows])
+    diff = {c: tuned[categories == c] - base[categories == c] for c in CATEGORIES if np.any(categories == c)}
+    rng = np.random.default_rng(0)
+    draws = np.mean([d[rng.integers(0, len(d), (resamples, len(d)))].mean(axis=1) for d in diff.values()], axis=0)
+    gain = float(np.mean([d.mean() for d in diff.values()]))
+    return {"gain": round(gain, 4), "interval_90": [round(float(np.percentile(draws, q)), 4) for q in (5, 95)]}
 
 
 def model_edits(args, rows: list[dict]) -> tuple[dict[str, np.ndarray], list[dict]]:
@@ -108,6 +121,12 @@ def main() -> None:
     if args.model:
         edits, sample_rows = model_edits(args, rows)
         results.update({name: judged(images, sample_rows) for name, images in edits.items()})
+        if "tuned" in edits:
+            reward = build_reward("shape_edit", RewardConfig(weights={"shape_edit": 1.0}))
+            success = {name: reward(images, [r["prompt"] for r in sample_rows],
+                                    [{k: v for k, v in r.items() if k != "prompt"} for r in sample_rows]
+                                    ).per_sample["success"] for name, images in edits.items()}
+            results["tuned_success_gain"] = gain_interval(success["model"], success["tuned"], sample_rows)
         if args.grid:
             expected = baselines(sample_rows)
             write_grid(args.grid, [expected["copy"], expected["target"], *edits.values()], args.grid_rows)
