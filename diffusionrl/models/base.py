@@ -102,7 +102,7 @@ class FlowAdapter(LoraTargets):
     components: tuple[str, ...] = ()  # the pipeline's modules (frozen, eval mode, digested)
     pipeline_logger = ""  # the diffusers pipeline module whose truncation warnings are replaced
     video = False  # True: samples are videos (latents [C, F', H, W], decoded frames [F, H, W, 3])
-    editing = False  # True: samples edit the prompt row's input image (``encode_references``; Kontext, Qwen-Image-Edit)
+    editing = False  # True: samples edit the prompt row's input image (``references.EditingReferences``)
 
     def __init__(self, pipe, device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None):
         self.pipe = pipe.to(device)

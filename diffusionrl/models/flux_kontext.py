@@ -25,6 +25,7 @@ import torch
 
 from .flux import FluxAdapter, image_ids
 from .packed import pack
+from .references import EditingReferences
 from .textside import TextSide
 from .tiny_flux import TINY_FLUX_KONTEXT_REF, build_tiny_flux_kontext_pipeline
 
@@ -38,14 +39,13 @@ def reference_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return ids
 
 
-class FluxKontextAdapter(FluxAdapter):
+class FluxKontextAdapter(EditingReferences, FluxAdapter):
     """FLUX.1 Kontext behind the interface the engines and the trainer use."""
 
     family = "flux-kontext"
     pipeline_class = "FluxKontextPipeline"
     builtin = TINY_FLUX_KONTEXT_REF
     pipeline_logger = "diffusers.pipelines.flux.pipeline_flux_kontext"
-    editing = True
 
     @staticmethod
     def build_tiny():
@@ -66,29 +66,13 @@ class FluxKontextAdapter(FluxAdapter):
         h = round((resolution * resolution / aspect) ** 0.5) // multiple * multiple
         return max(h, multiple), max(w, multiple)
 
-    @torch.no_grad()
-    def encode_references(self, images: list[np.ndarray], resolution: int) -> torch.Tensor:
-        """RGB uint8 input images -> their latents ``[B, 16, h, w]`` float32 on the adapter's device. Each
-        distinct image is encoded once and alone, so its latents do not depend on the batch it came in."""
+    def _encode_reference(self, image: np.ndarray, h: int, w: int) -> torch.Tensor:
         from PIL import Image
 
-        sizes = {self.reference_size(im.shape[0], im.shape[1], resolution) for im in images}
-        if len(sizes) > 1:
-            raise ValueError(f"the input images of one rollout come out at {len(sizes)} sizes {sorted(sizes)} at "
-                             f"resolution {resolution}; give the images of an editing dataset one aspect ratio")
-        (h, w), = sizes
         vae, processor = self.pipe.vae, self.pipe.image_processor
-        encoded: dict[bytes, torch.Tensor] = {}
-        out = []
-        for im in images:
-            key = im.tobytes() + str(im.shape).encode()
-            if key not in encoded:
-                pil = processor.resize(Image.fromarray(np.ascontiguousarray(im)), h, w)  # the pipeline's steps
-                x = processor.preprocess(pil, h, w).to(self.device, vae.dtype)
-                z = vae.encode(x).latent_dist.mode()
-                encoded[key] = (z.float() - vae.config.shift_factor) * vae.config.scaling_factor
-            out.append(encoded[key])
-        return torch.cat(out)
+        pil = processor.resize(Image.fromarray(np.ascontiguousarray(image)), h, w)
+        z = vae.encode(processor.preprocess(pil, h, w).to(self.device, vae.dtype)).latent_dist.mode()
+        return (z.float() - vae.config.shift_factor) * vae.config.scaling_factor
 
     def image_tokens(self, x: torch.Tensor, side: TextSide, dtype: torch.dtype) -> tuple:
         tokens, ids = super().image_tokens(x, side, dtype)

@@ -28,6 +28,7 @@ from diffusionrl.trajectory import Conditioning
 
 from .packed import pack
 from .qwen_image import QwenImageAdapter
+from .references import EditingReferences, image_key
 from .textside import TextSide
 from .tiny_qwen_image_edit import TINY_QWEN_IMAGE_EDIT_REF, build_tiny_qwen_image_edit_pipeline
 
@@ -45,14 +46,13 @@ def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | Non
     return embeds, mask
 
 
-class QwenImageEditAdapter(QwenImageAdapter):
+class QwenImageEditAdapter(EditingReferences, QwenImageAdapter):
     """Qwen-Image-Edit (Plus, the 2509/2511 releases' pipeline) behind the interface the engines and the trainer use."""
 
     family = "qwen-image-edit"
     pipeline_class = "QwenImageEditPlusPipeline"
     builtin = TINY_QWEN_IMAGE_EDIT_REF
     pipeline_logger = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"
-    editing = True
 
     @staticmethod
     def build_tiny():
@@ -82,28 +82,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
         h, w = self._dimensions(CONDITION_IMAGE_SIZE, *image.shape[:2])
         return self.pipe.image_processor.resize(Image.fromarray(np.ascontiguousarray(image)), h, w)
 
-    @torch.no_grad()
-    def encode_references(self, images: list[np.ndarray], resolution: int) -> torch.Tensor:
-        """RGB uint8 input images -> their latents ``[B, 16, h, w]`` float32 on the adapter's device. Each
-        distinct image is encoded once and alone, so its latents do not depend on the batch it came in."""
+    def _encode_reference(self, image: np.ndarray, h: int, w: int) -> torch.Tensor:
         from PIL import Image
 
-        sizes = {self.reference_size(im.shape[0], im.shape[1], resolution) for im in images}
-        if len(sizes) > 1:
-            raise ValueError(f"the input images of one rollout come out at {len(sizes)} sizes {sorted(sizes)} at "
-                             f"resolution {resolution}; give the images of an editing dataset one aspect ratio")
-        (h, w), = sizes
-        encoded: dict[bytes, torch.Tensor] = {}
-        out = []
-        for im in images:
-            key = im.tobytes() + str(im.shape).encode()
-            if key not in encoded:
-                pil = Image.fromarray(np.ascontiguousarray(im))
-                x = self.pipe.image_processor.preprocess(pil, h, w).unsqueeze(2)  # the pipeline's steps
-                z = self.pipe._encode_vae_image(x.to(self.device, self.pipe.vae.dtype), generator=None)
-                encoded[key] = z[:, :, 0].float()
-            out.append(encoded[key])
-        return torch.cat(out)
+        x = self.pipe.image_processor.preprocess(Image.fromarray(np.ascontiguousarray(image)), h, w).unsqueeze(2)
+        return self.pipe._encode_vae_image(x.to(self.device, self.pipe.vae.dtype), generator=None)[:, :, 0].float()
 
     # -- text: prompt and input image together ---------------------------------------------------
     @torch.no_grad()
@@ -111,7 +94,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
                             references: list[np.ndarray] | None = None, resolution: int | None = None) -> Conditioning:
         if references is None:
             return super().encode_conditioning(prompts, negative_prompt, max_sequence_length)
-        keys = [im.tobytes() + str(im.shape).encode() for im in references]
+        keys = [image_key(im) for im in references]
         pictures: dict = {}
         for key, im in zip(keys, references):
             if key not in pictures:
