@@ -59,6 +59,13 @@ def started_loop(cfg, folder):
         lp.close()
 
 
+@pytest.fixture(scope="module")
+def scored(loop):
+    """The first step's rollout of the test module's own ``loop`` fixture, scored: ``(trajectory, active)``."""
+    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
+    return traj, active
+
+
 def saved_lora(run_dir):
     """The final LoRA tensors a run wrote (peft format)."""
     from safetensors.torch import load_file

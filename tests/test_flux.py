@@ -106,12 +106,6 @@ def loop(tmp_path_factory):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
-    return traj, active
-
-
 def test_the_loop_runs_the_flux_adapter_without_a_cfg_pass(loop, scored):
     traj, _ = scored
     assert isinstance(loop.backend.worker.adapter, FluxAdapter)

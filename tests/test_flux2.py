@@ -94,12 +94,6 @@ def loop(request, tmp_path_factory):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
-    return traj, active
-
-
 def test_recomputed_log_probs_equal_rollout_log_probs_and_the_split_does_not_change_the_gradient(loop, scored):
     traj, active = scored
     assert isinstance(loop.backend.worker.adapter, Flux2Adapter)

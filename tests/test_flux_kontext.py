@@ -143,12 +143,6 @@ def loop(tmp_path_factory, edits):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
-    return traj, active
-
-
 def test_the_loop_edits_the_rows_input_images(loop, scored):
     traj, _ = scored
     assert isinstance(loop.backend.worker.adapter, FluxKontextAdapter)

@@ -101,12 +101,6 @@ def loop(tmp_path_factory):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
-    return traj, active
-
-
 def test_timestep_plan_is_per_sample_and_independent_of_the_batch():
     plan = TimestepPlan.draw(0, 3, 0, np.arange(8), num_steps=4, shape=(2, 2, 2))
     assert plan.indices.shape == (8, 3)

@@ -90,12 +90,6 @@ def loop(tmp_path_factory):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
-    return traj, active
-
-
 def test_recomputed_log_probs_equal_rollout_log_probs_before_the_update(loop, scored):
     traj, _ = scored
     assert isinstance(loop.backend.worker.adapter, QwenImageAdapter)

@@ -132,12 +132,6 @@ def loop(tmp_path_factory):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
-    return traj, active
-
-
 def test_the_loop_edits_the_shape_edit_rows_with_cfg(loop, scored):
     traj, _ = scored
     assert isinstance(loop.backend.worker.adapter, QwenImageEditAdapter)

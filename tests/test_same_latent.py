@@ -22,12 +22,6 @@ def loop(tmp_path_factory):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
-    return traj, active
-
-
 def test_a_group_shares_its_initial_latent_and_differs_after_its_sde_steps(loop, scored):
     traj, _ = scored
     groups = traj.group_ids.tolist()

@@ -20,13 +20,6 @@ def loop(tmp_path_factory):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj = loop.backend.rollout(0)
-    traj, active, metrics = loop.backend.score(traj)
-    return traj, active
-
-
 def _grads(loop, traj, active, micro):
     traj = dataclasses.replace(traj, micro_batch_size=micro)
     trainer, objective = loop.backend.worker.trainer, loop.backend.worker.objective

@@ -84,12 +84,6 @@ def loop(tmp_path_factory):
         yield lp
 
 
-@pytest.fixture(scope="module")
-def scored(loop):
-    traj, active, _ = loop.backend.score(loop.backend.rollout(0))
-    return traj, active
-
-
 def test_the_loop_samples_and_scores_videos_with_cfg(loop, scored):
     traj, _ = scored
     assert isinstance(loop.backend.worker.adapter, WanAdapter)
