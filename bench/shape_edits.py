@@ -46,9 +46,15 @@ def baselines(rows: list[dict]) -> dict[str, np.ndarray]:
     }
 
 
-def judged(images: np.ndarray, rows: list[dict]) -> dict:
+def judge(images: np.ndarray, rows: list[dict]):
+    """The ``shape_edit`` judge's ``RewardResult`` of ``images``, one per row."""
     reward = build_reward("shape_edit", RewardConfig(weights={"shape_edit": 1.0}))
-    result = reward(images, [r["prompt"] for r in rows], [{k: v for k, v in r.items() if k != "prompt"} for r in rows])
+    return reward(images, [r["prompt"] for r in rows], [{k: v for k, v in r.items() if k != "prompt"} for r in rows])
+
+
+def judged(images: np.ndarray, rows: list[dict], result=None) -> dict:
+    """Success, score and ``unchanged`` per category and overall (``result``: the judge's, when already run)."""
+    result = judge(images, rows) if result is None else result
     values = {"success": result.per_sample["success"], "score": result.scores,
               "unchanged": result.per_sample["unchanged"]}
     categories = np.array([r["category"] for r in rows])
@@ -120,13 +126,11 @@ def main() -> None:
     results = {name: judged(images, rows) for name, images in baselines(rows).items()}
     if args.model:
         edits, sample_rows = model_edits(args, rows)
-        results.update({name: judged(images, sample_rows) for name, images in edits.items()})
-        if "tuned" in edits:
-            reward = build_reward("shape_edit", RewardConfig(weights={"shape_edit": 1.0}))
-            success = {name: reward(images, [r["prompt"] for r in sample_rows],
-                                    [{k: v for k, v in r.items() if k != "prompt"} for r in sample_rows]
-                                    ).per_sample["success"] for name, images in edits.items()}
-            results["tuned_success_gain"] = gain_interval(success["model"], success["tuned"], sample_rows)
+        verdicts = {name: judge(images, sample_rows) for name, images in edits.items()}
+        results.update({name: judged(edits[name], sample_rows, v) for name, v in verdicts.items()})
+        if "tuned" in verdicts:
+            results["tuned_success_gain"] = gain_interval(verdicts["model"].per_sample["success"],
+                                                          verdicts["tuned"].per_sample["success"], sample_rows)
         if args.grid:
             expected = baselines(sample_rows)
             write_grid(args.grid, [expected["copy"], expected["target"], *edits.values()], args.grid_rows)
