@@ -190,3 +190,25 @@ def test_a_reward_check_names_the_file_and_line_of_the_row(tmp_path):
     (tmp_path / "split" / "test.txt").write_text('a "C"\n\nno quotes\n')
     with pytest.raises(PromptDataError, match=r"split/test\.txt:3: has no text for the OCR reward"):
         load_prompts(DataConfig(source=str(tmp_path / "split")), validate=validate)
+
+
+def test_balanced_sampling_gives_every_category_an_equal_share_and_resumes_exactly():
+    """data.balance_by=category on the shapes world (72 color_attr prompts, 3 single): each step's prompts
+    spread evenly over the six categories; every category's prompts are all visited before one repeats; the
+    choice depends on the step alone; a row without the field is refused naming it."""
+    from collections import Counter
+
+    rows = load_prompts(DataConfig(source="builtin:shapes", num_prompts=256, test_fraction=0.2)).train
+    per_category = Counter(r["category"] for r in rows)
+    assert max(per_category.values()) > 10 * min(per_category.values())
+    sampler = PromptSampler(rows, per_step=12, seed=3, balance_by="category")
+    counts = Counter(r["category"] for s in range(20) for r in sampler.batch(s)[0])
+    assert set(counts.values()) == {40} and len(counts) == 6
+    assert sampler.batch(7) == PromptSampler(rows, per_step=12, seed=3, balance_by="category").batch(7)
+    color_attr = [r["prompt"] for s in range(40) for r in sampler.batch(s)[0] if r["category"] == "color_attr"]
+    n = per_category["color_attr"]
+    assert sorted(color_attr[:n]) == sorted(r["prompt"] for r in rows if r["category"] == "color_attr")
+    uniform = Counter(r["category"] for s in range(20) for r in PromptSampler(rows, 12, seed=3).batch(s)[0])
+    assert uniform["color_attr"] > 3 * uniform["single"]  # the default draws rows, not categories
+    with pytest.raises(PromptDataError, match="balance_by='category': 1 of 2 training rows have no 'category'"):
+        PromptSampler([{"prompt": "a", "category": "x"}, {"prompt": "b"}], 2, 0, balance_by="category")

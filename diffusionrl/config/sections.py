@@ -385,6 +385,8 @@ class DataConfig:
     num_prompts: int = option(256, "Prompts a built-in generator writes")
     test_fraction: float = option(0.1, "Share of prompts held out for evaluation")
     seed: int = option(0, "Seed of the generator and the train/test split")
+    balance_by: str = option("", "A row field (e.g. category): each value gets an equal share of every step's "
+                             "prompts, whatever its number of rows; empty: rows drawn uniformly")
 
     def __post_init__(self) -> None:
         check_constraints(self, "data")

@@ -64,7 +64,8 @@ class ImageBackend:
         self.prompts = prompts
         self.worker = worker
         self.scorer = scorer
-        self.sampler = PromptSampler(prompts.train, cfg.train.prompts_per_step, cfg.train.seed)
+        self.sampler = PromptSampler(prompts.train, cfg.train.prompts_per_step, cfg.train.seed,
+                                     cfg.data.balance_by)
         self.probe = HeldOutProbe(cfg, prompts.test, scorer, eval_spec(cfg))
         # An SDE objective samples with the configured dynamics; the others re-noise clean ODE samples. Only the
         # training rollouts share latents or compress the steps after MixGRPO's window (eval_spec does neither).
