@@ -140,29 +140,12 @@ def input_digests(cfg: Config, prompts=None, sft_rows: list[dict] | None = None)
     if prompts is not None:
         out["prompts"] = prompts.digest
     if sft_rows is not None:
+        from diffusionrl.data import rows_digest
+
         out["sft_pairs"] = rows_digest(sft_rows)
     if cfg.algorithm.init_lora:
         out["init_lora"] = file_digest(f"{str(cfg.algorithm.init_lora).rstrip('/')}/adapter_model.safetensors")
     return out
-
-
-def rows_digest(rows: list[dict]) -> str:
-    """sha256 (16 hex) over every row's fields in order, arrays (an SFT pair's image) by dtype, shape and bytes."""
-    import hashlib
-
-    import numpy as np
-
-    h = hashlib.sha256()
-    for row in rows:
-        for key in sorted(row):
-            value = row[key]
-            h.update(key.encode() + b"\x00")
-            if isinstance(value, np.ndarray):
-                h.update(f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
-            else:
-                h.update(json.dumps(value, sort_keys=True, default=str).encode())
-        h.update(b"\x01")
-    return h.hexdigest()[:16]
 
 
 def file_digest(uri: str) -> str:

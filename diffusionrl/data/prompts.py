@@ -64,7 +64,8 @@ class PromptSet:
 
 def rows_digest(*splits: list[dict[str, Any]]) -> str:
     """sha256 of the canonical JSON of the rows, 16 hex chars (a bytes field, such as a row's input
-    image, by the sha256 of its bytes)."""
+    image, by the sha256 of its bytes; an array, such as an SFT pair's image, by its dtype, shape and
+    the sha256 of its bytes)."""
     h = hashlib.sha256()
     for rows in splits:
         h.update(json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
@@ -76,6 +77,9 @@ def rows_digest(*splits: list[dict[str, Any]]) -> str:
 def _bytes_digest(value: Any) -> str:
     if isinstance(value, bytes):
         return f"sha256:{hashlib.sha256(value).hexdigest()}"
+    if isinstance(value, np.ndarray):
+        data = np.ascontiguousarray(value).tobytes()
+        return f"{value.dtype}{list(value.shape)}:sha256:{hashlib.sha256(data).hexdigest()}"
     raise TypeError(f"a prompt row field of type {type(value).__name__} has no canonical JSON")
 
 
