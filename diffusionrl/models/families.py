@@ -15,6 +15,7 @@ loader's traceback minutes later.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -266,7 +267,14 @@ def lora_suffixes(model_cfg) -> list[str]:
     that spells its family's default resumes one that left it empty and the other way round."""
     if model_cfg.lora_targets:
         return list(model_cfg.lora_targets)
-    return adapter_class(model_cfg.name, model_cfg.revision).lora_suffixes(model_cfg.lora_targets)
+    return list(_default_suffixes(model_cfg.name, model_cfg.revision))
+
+
+@functools.lru_cache(maxsize=32)
+def _default_suffixes(reference: str, revision: str) -> tuple[str, ...]:
+    """The family's default LoRA targets, its ``model_index.json`` read once per process (every checkpoint's
+    metadata asks)."""
+    return tuple(adapter_class(reference, revision).lora_suffixes([]))
 
 
 def load_pipeline(reference: str, revision: str = "", dtype: str = "float32"):
