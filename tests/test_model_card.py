@@ -73,6 +73,17 @@ def test_held_out_results_and_the_registered_layout():
     assert video["pipeline_tag"] == "text-to-video" and "wan" in video["tags"]
 
 
+def test_an_editing_models_card_serves_an_instruction_with_its_image():
+    for family, pipeline in (("flux-kontext", "FluxKontextPipeline"), ("qwen-image-edit", "QwenImageEditPlusPipeline")):
+        card = render_card({**INFO, "family": family, "pipeline_class": pipeline}, layout="diffusers")
+        assert front_matter(card)["pipeline_tag"] == "image-to-image"
+        served = python_blocks(card)[2]
+        assert 'Path("input.png").read_bytes()' in served and '"image": [image]' in served
+        assert ("VAE_IMAGE_SIZE" in card) == (family == "qwen-image-edit")  # the stock pipeline's 1024^2 input area
+    assert front_matter(render_card(INFO))["pipeline_tag"] == "text-to-image"
+    assert '"image"' not in python_blocks(render_card(INFO))[2]
+
+
 def test_version_description_names_base_objective_reward_steps_scores_and_run():
     text = version_description(INFO, RESULTS, "run123")
     for fact in ("stabilityai/stable-diffusion-3.5-medium@b940f670", "flow_grpo", "ocr 1", "40 steps",

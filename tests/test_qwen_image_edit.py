@@ -1,7 +1,8 @@
 """Qwen-Image-Edit (image editing, ``QwenImageEditPlusPipeline``) through the model-family seam:
 builtin:tiny-qwen-image-edit built without torchvision, parity with the stock pipeline on the same input
 image, the input image in both the text encoding and the transformer's tokens, the exactness invariants
-(docs/algorithms.md section 11) on builtin:shape-edits rows, and the preset's training run."""
+(docs/algorithms.md section 11) on builtin:shape-edits rows, the preset's training run, and its LoRA served through
+the registered MLflow pyfunc as the evaluation edits."""
 
 import io
 import sys
@@ -187,3 +188,135 @@ def test_the_sglang_engine_refuses_qwen_image_edit_naming_why():
 
     with pytest.raises(SGLangServerError, match="not 'qwen-image-edit'.*editing family.*engine=local"):
         SGLangServer("python", "/nonexistent", "fp32", family=QwenImageEditAdapter.family)
+
+
+FRESH_PROCESS = """
+import json, sys
+assert "diffusionrl" not in sys.modules
+import mlflow.pyfunc, torch
+torch.set_num_threads(1)
+uri, image, prompt, seed, out = sys.argv[1:]
+model = mlflow.pyfunc.load_model(uri)
+data = {"prompt": prompt, "image": open(image, "rb").read()}
+model.predict(data, params={"num_inference_steps": 2})  # loads the pipeline (which may draw from torch's generator)
+torch.manual_seed(int(seed))  # the pipeline draws its initial noise from it: as the evaluation's seeded sample
+open(out, "wb").write(model.predict(data)[0])
+print(json.dumps({m: m in sys.modules for m in ("torchvision", "diffusionrl.models.tiny_qwen_image_edit")}))
+"""
+
+
+def test_the_logged_lora_serves_the_evaluations_edit_and_its_card_runs(tmp_path, monkeypatch):
+    """serving.log_lora_model on the preset after one training step: MLflow's input-example check runs an
+    edit. In a fresh process (diffusionrl not imported first, no torchvision) the pyfunc loads the builtin's
+    folder and, seeded as the evaluation seeds its sample, serves the evaluation's tuned edit pixel for pixel:
+    the run's steps, true CFG 4 against " ", the input image VAE-encoded at the output's 32x32 area (not the
+    stock pipeline's 1024x1024). Here: bytes and base64 inputs, another image gives another edit, a bad image
+    and a prompt without an image are refused, the pipeline module's VAE_IMAGE_SIZE is untouched; the model
+    card's snippets run as written."""
+    import base64
+    import json
+    import logging
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlflow
+    import mlflow.pyfunc
+    import pandas as pd
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+    from mlflow.exceptions import MlflowException
+
+    from diffusionrl import serving
+    from diffusionrl.data import load_prompts
+    from diffusionrl.data.images import image_bytes
+    from diffusionrl.evaluation import evaluate_lora
+    from diffusionrl.serving.model_card import DIFFUSERS, render_card
+    from diffusionrl.tracking import TrackingRun
+    from diffusionrl.train import train
+
+    cfg = tiny_config("train.steps=1", "eval.every=0", "train.prompts_per_step=1", "train.group_size=2",
+                      "train.micro_batch_size=2", "reward.weights={jpeg_compressibility: 1.0}", "eval.num_prompts=1",
+                      "eval.seeds_per_prompt=1", preset="tiny-cpu-qwen-image-edit")
+    lora = train(cfg, tmp_path / "run", resume=None, progress=False).model_dir
+    base = save_builtin(TINY_QWEN_IMAGE_EDIT_REF, tmp_path / "base")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    experiment = client.create_experiment("qwen-image-edit", artifact_location=str(tmp_path / "artifacts"))
+    run = TrackingRun(uri, experiment, client.create_run(experiment).info.run_id)
+    row = load_prompts(cfg.data).test[0]
+    source = image_bytes(row["image"])
+    card = render_card(json.loads((Path(lora) / "diffusionrl.json").read_text()), layout=DIFFUSERS)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("mlflow").addHandler(handler)
+    try:
+        info = serving.log_lora_model(run, cfg, lora, str(base), example_prompt=row["prompt"], metadata={},
+                                      card=card, example_image=source)
+    finally:
+        logging.getLogger("mlflow").removeHandler(handler)
+    assert not [w for w in warnings if "serving input example" in w], warnings  # the example's edit ran
+    assert [c["name"] for c in info.signature.inputs.to_dict()] == ["prompt", "image"]
+
+    # a fresh process, as `mlflow models serve`: the evaluation's edit of the same row and seed
+    (tmp_path / "input.png").write_bytes(source)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, info.model_uri, str(tmp_path / "input.png"),
+                           row["prompt"], str(cfg.eval.seed), str(tmp_path / "served.png")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torchvision": False,
+                                                                "diffusionrl.models.tiny_qwen_image_edit": True}
+    ev = evaluate_lora(cfg, [row], lora)
+    served = np.asarray(Image.open(tmp_path / "served.png").convert("RGB")).astype(int)
+    diff = int(np.abs(served - ev.tuned_images[0]).max())
+    lora_effect = int(np.abs(ev.base_images[0].astype(int) - ev.tuned_images[0]).max())
+    print(f"qwen-image-edit served vs evaluated edit: max |diff| = {diff} (tuned vs base: {lora_effect}) of 255")
+    assert diff == 0 and lora_effect > 0
+
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(info.model_uri)
+    params = {"num_inference_steps": 2}
+    other = io.BytesIO()
+    scene((40, 60, 220), "circle").save(other, format="PNG")
+    pixels = []
+    for request in (pd.DataFrame({"prompt": ["make it blue"], "image": [source]}),
+                    {"prompt": "make it blue", "image": base64.b64encode(source).decode()},
+                    {"prompt": "make it blue", "image": other.getvalue()}):
+        torch.manual_seed(0)  # the same initial noise for each
+        pixels.append(np.asarray(Image.open(io.BytesIO(model.predict(request, params=params)[0]))))
+    assert pixels[0].shape == (32, 32, 3) and np.array_equal(pixels[0], pixels[1])  # bytes or their base64
+    assert not np.array_equal(pixels[0], pixels[2])  # the input image reaches the model
+    torch.manual_seed(0)
+    (plain,) = model.predict({"prompt": "make it blue", "image": source}, params={**params, "guidance_scale": 1.0})
+    assert not np.array_equal(pixels[0], np.asarray(Image.open(io.BytesIO(plain))))  # the param is the CFG scale
+    with pytest.raises(MlflowException, match="image 0 is not a readable image"):
+        model.predict({"prompt": "make it blue", "image": b"not an image"}, params=params)
+    with pytest.raises(MlflowException, match="QwenImageEditPlusPipeline.*edits images; send an 'image'"):
+        model.predict({"prompt": "make it blue"}, params=params)
+    assert plus.VAE_IMAGE_SIZE == 1024 * 1024  # the served call read its own value, the module's is unchanged
+
+    # the registered adapter's card: its diffusers and peft snippets load this LoRA, the served one edits
+    folder = Path(mlflow.artifacts.download_artifacts(info.model_uri, dst_path=str(tmp_path / "model")))
+    written = (folder / "adapter_weights" / "README.md").read_text()
+    assert written == card and "pipeline_tag: image-to-image" in card
+    blocks = re.findall(r"```python\n(.*?)```", card, re.S)
+    raw = model.get_raw_model()  # the served pipeline, LoRA loaded
+    c = raw.transformer.config
+    gen = torch.Generator().manual_seed(0)
+    kw = dict(hidden_states=torch.randn(1, 8, c.in_channels, generator=gen),
+              encoder_hidden_states=torch.randn(1, 6, c.joint_attention_dim, generator=gen),
+              timestep=torch.tensor([0.5]), img_shapes=[[(1, 2, 2), (1, 2, 2)]], return_dict=False)
+    with torch.no_grad():
+        want = raw.transformer(**kw)[0]
+        for block in blocks[:2]:  # diffusers, peft
+            scope: dict = {}
+            exec(block.replace("path/to/this/folder", str(folder / "adapter_weights")), scope)
+            assert (scope["pipe"].transformer(**kw)[0] - want).abs().max().item() <= 1e-6
+    served_block = blocks[2].replace(f"models:/{cfg.tracking.registered_model}@champion", info.model_uri)
+    monkeypatch.chdir(tmp_path)  # input.png is here
+    scope = {}
+    exec(served_block, scope)
+    assert Image.open(io.BytesIO(scope["edits"][0])).size == (32, 32)

@@ -28,6 +28,7 @@ from diffusionrl.config import ALGORITHMS, objective
 PEFT, DIFFUSERS = "peft", "diffusers"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PLACEHOLDER = "path/to/this/folder"
+_INPUT = "input.png"  # an editing model's input image in the served snippet
 
 
 def _what(algorithm: str, unknown: str) -> str:
@@ -81,6 +82,36 @@ def _snippet(info: dict, imports: list[str], body: list[str]) -> list[str]:
     return ["```python", *sorted(head + imports), "", load, *body, "```"]
 
 
+def editing_family(family: str) -> bool:
+    """Whether ``family`` (a ``diffusionrl.json`` ``family``) edits an input image (FLUX.1 Kontext, Qwen-Image-Edit)."""
+    from diffusionrl.models.families import ADAPTERS
+
+    return any(a.editing and a.family == family for a in ADAPTERS)
+
+
+def _served(info: dict) -> list[str]:
+    """The registered MLflow model's snippet: a prompt (and an editing model's input image) -> PNG or GIF bytes."""
+    name = info.get("registered_model") or "<registered model>"
+    output = "GIF" if info.get("family") == "wan" else "PNG"
+    load = f'model = mlflow.pyfunc.load_model("models:/{name}@champion")  # or models:/{name}/<version>'
+    if not editing_family(info.get("family") or ""):
+        return [f"As the registered MLflow model (base weights and adapter together; it returns {output} bytes):", "",
+                "```python", "import mlflow", "import pandas as pd", "", load,
+                'images = model.predict(pd.DataFrame({"prompt": ["a photo of a cat"]}))', "```"]
+    lines = ["As the registered MLflow model (base weights and adapter together): an instruction and the image it "
+             "edits (encoded bytes; base64 in a JSON request), one image per prompt or one for all; it returns PNG "
+             "bytes at the run's evaluation resolution, the input image encoded at that area as in training:", "",
+             "```python", "from pathlib import Path", "", "import mlflow", "import pandas as pd", "", load,
+             f"image = Path({json.dumps(_INPUT)}).read_bytes()  # the image to edit (PNG, JPEG, ...)",
+             'edits = model.predict(pd.DataFrame({"prompt": ["make the square blue"], "image": [image]}))', "```"]
+    if info.get("pipeline_class") == "QwenImageEditPlusPipeline":
+        lines += ["", "The stock `QwenImageEditPlusPipeline` VAE-encodes the input image at 1024x1024 pixels of area "
+                      "(its module's `VAE_IMAGE_SIZE`) whatever the output size; this LoRA was trained with it at the "
+                      "output's area, which the registered model serves (diffusionrl's "
+                      "`serving/request_limits.area_bound_call`)."]
+    return lines
+
+
 def _expert_loads(folder: str, experts: list[str]) -> list[str]:
     """``load_lora_weights`` of each expert's file of a two-expert LoRA (``lora_export.EXPERT_FILES``)."""
     from .lora_export import EXPERT_FILES
@@ -99,8 +130,6 @@ def _peft_experts(folder: str) -> list[str]:
 
 def _loading(info: dict, layout: str) -> list[str]:
     pipeline = json.dumps(info.get("pipeline_class") or "DiffusionPipeline")
-    name = info.get("registered_model") or "<registered model>"
-    output = "GIF" if info.get("family") == "wan" else "PNG"
     here = json.dumps(_PLACEHOLDER)
     experts = info.get("lora_experts") or []
     lines = ["## How to load it", ""]
@@ -137,11 +166,7 @@ def _loading(info: dict, layout: str) -> list[str]:
                   *_snippet(info, ["from diffusionrl.serving import diffusers_adapter_dir"],
                             [f'folder = diffusers_adapter_dir({here}, "lora-diffusers", {pipeline})',
                              "pipe.load_lora_weights(str(folder))"])]
-    lines += ["", f"As the registered MLflow model (base weights and adapter together; it returns {output} bytes):", "",
-              "```python", "import mlflow", "import pandas as pd", "",
-              f'model = mlflow.pyfunc.load_model("models:/{name}@champion")  # or models:/{name}/<version>',
-              'images = model.predict(pd.DataFrame({"prompt": ["a photo of a cat"]}))', "```"]
-    return lines
+    return lines + [""] + _served(info)
 
 
 def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> str:
@@ -156,7 +181,8 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
     card_base = _card_base_model(base)
     if card_base:
         front.append(f"base_model: {json.dumps(card_base)}")
-    front += [f"library_name: {layout}", f"pipeline_tag: {'text-to-video' if family == 'wan' else 'text-to-image'}",
+    tag = "text-to-video" if family == "wan" else "image-to-image" if editing_family(family) else "text-to-image"
+    front += [f"library_name: {layout}", f"pipeline_tag: {tag}",
               "tags:", *(f"- {json.dumps(t)}" for t in tags), "---", ""]
     revision = info.get("base_model_revision") or ""
     what = [

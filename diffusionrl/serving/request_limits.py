@@ -12,10 +12,11 @@ and its range (``RequestError``, an ``MlflowException`` with ``INVALID_PARAMETER
 - images (``mlflow.diffusers``): this module is the model's pyfunc loader (``_load_pyfunc``), shipped
   with it as its code (``code/request_limits.py``: ``save_model``, what ``mlflow_model.log_lora_model``
   logs with) around MLflow's own diffusers wrapper, so serving still needs no diffusionrl install;
-  hence it imports only the standard library and mlflow (pandas through mlflow; Pillow, which diffusers
-  needs, for input images). An editing model (FLUX.1 Kontext) also takes ``{"prompt", "image"}``: one
-  input image (encoded bytes, or base64 as JSON carries them) per prompt or one for all (``images_of``),
-  each edited as training sampled it (``BoundedDiffusers.edit``);
+  hence it imports only the standard library and mlflow (pandas through mlflow; Pillow and torch, which
+  diffusers needs, for input images). An editing model (FLUX.1 Kontext, Qwen-Image-Edit) also takes ``{"prompt",
+  "image"}``: one input image (encoded bytes, or base64 as JSON carries them) per prompt or one for all
+  (``images_of``), each edited as training sampled it (``BoundedDiffusers.edit``; Qwen-Image-Edit, which only
+  edits, refuses prompts without an image);
 - videos: ``video_model.VideoLoraModel.predict``; text (block diffusion): ``bdlm.serving.BDLMDecoder``.
 """
 
@@ -197,14 +198,63 @@ def reference_size(height: int, width: int, area: int, multiple: int = 16) -> tu
     return max(h, multiple), max(w, multiple)
 
 
+# Pipelines that only edit: their ``__call__`` reads the input image's size first (no prompt-only generation).
+IMAGE_REQUIRED = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+# Pipelines whose guidance is true CFG (``true_cfg_scale``; FLUX.1 Kontext takes one too, besides its distilled
+# ``guidance_scale``, which is what its adapter samples with)
+TRUE_CFG = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+VAE_AREA = "VAE_IMAGE_SIZE"  # QwenImageEditPlusPipeline's module constant: the area its input image is encoded at
+
+
+def area_bound_call(pipeline, area: int):
+    """``pipeline.__call__`` with the input image VAE-encoded at ``area`` pixels (at its aspect), for a pipeline
+    that encodes it at its module's fixed ``VAE_IMAGE_SIZE`` (QwenImageEditPlusPipeline: 1024^2 whatever the
+    output's size); None for one whose request sizes it (Kontext: resized to ``reference_size`` beforehand).
+
+    The LoRA was trained with the input image at the output's area (``models/qwen_image_edit.py``: the
+    sampling resolution's), so the served edit encodes it there too. This is the stock function (its code,
+    defaults and closure, under ``torch.no_grad`` as the method is) over a copy of its module's globals in which
+    ``VAE_IMAGE_SIZE`` is ``area``: nothing is patched, so the module, other pipelines and concurrent requests
+    keep the stock value. The input image goes to it as sent (the pipeline resizes it once, as the adapter does)."""
+    import functools
+    import inspect
+    import types
+
+    import torch
+
+    fn = inspect.unwrap(type(pipeline).__call__)  # the function under torch.no_grad's wrapper
+    if VAE_AREA not in fn.__code__.co_names:
+        return None
+    scope = {**fn.__globals__, VAE_AREA: int(area)}
+    call = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    call.__kwdefaults__ = fn.__kwdefaults__
+    return functools.partial(torch.no_grad()(call), pipeline)
+
+
+def true_cfg(kwargs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The guidance arguments of a true-CFG pipeline (``TRUE_CFG``: Qwen-Image's ``true_cfg_scale``; its
+    ``guidance_scale`` is a guidance-distilled model's, which it ignores): the ``guidance_scale`` param as
+    ``true_cfg_scale``, and above 1 the ``negative_prompt`` param as it is, "" included (the pipeline guides
+    only when given a negative prompt; the adapter always gives one: ``QwenImageAdapter.pipeline_kwargs``)."""
+    if "guidance_scale" not in params:
+        return kwargs  # the pipeline's own default
+    out = {k: v for k, v in kwargs.items() if k not in ("guidance_scale", "negative_prompt")}
+    out["true_cfg_scale"] = float(params["guidance_scale"])
+    if out["true_cfg_scale"] > 1:
+        out["negative_prompt"] = params.get("negative_prompt") or ""
+    return out
+
+
 class BoundedDiffusers:
     """MLflow's diffusers pyfunc wrapper, behind the request limits; an editing model's requests with
     input images go to its pipeline here (MLflow's wrapper passes prompts only)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, base: str = ""):
         self.inner = inner
+        self.base = base  # the base model's reference (hub id or folder)
 
     def get_raw_model(self):
+        import_base_modules(self.base)
         return self.inner.get_raw_model()
 
     def predict(self, data, params: dict[str, Any] | None = None):
@@ -212,12 +262,18 @@ class BoundedDiffusers:
         images = images_of(data, len(prompts))
         check_params(params)
         if images is None:
+            name = type(self.get_raw_model()).__name__
+            if name in IMAGE_REQUIRED:
+                raise RequestError(f"request: this model ({name}) edits images; send an 'image' (encoded bytes, or "
+                                   "their base64) with the prompts, one per prompt or one for all")
             return self.inner.predict(prompts, params)
         return self.edit(prompts, images, params or {})
 
     def edit(self, prompts: list[str], images: list[bytes], params: dict[str, Any]) -> list[bytes]:
-        """Each prompt's edit of its image, PNG bytes: the image resized to the output's area at its own
-        aspect (``reference_size``) and passed as the pipeline's ``image``, output at ``height x width``."""
+        """Each prompt's edit of its image, PNG bytes, output at ``height x width`` and sampled as the adapter
+        samples: the image at the output's area at its own aspect (resized to ``reference_size`` and passed as
+        the pipeline's ``image``, or as sent to a pipeline that encodes it at a fixed area: ``area_bound_call``),
+        a true-CFG pipeline's scale from ``guidance_scale`` (``true_cfg``)."""
         import inspect
         import io
 
@@ -231,10 +287,14 @@ class BoundedDiffusers:
         kwargs = {k: params[k] for k in GENERATION_PARAMS if k in params and params[k] != ""}
         height = kwargs.get("height") or pipeline.default_sample_size * pipeline.vae_scale_factor
         width = kwargs.get("width") or height
+        kwargs.update(height=height, width=width)
         if "max_area" in accepted:  # Kontext: the output at height x width, not rescaled to its 1 MP default
-            kwargs.update(height=height, width=width, max_area=height * width)
+            kwargs["max_area"] = height * width
         if "_auto_resize" in accepted:
             kwargs["_auto_resize"] = False  # the input at reference_size, as trained
+        if type(pipeline).__name__ in TRUE_CFG:
+            kwargs = true_cfg(kwargs, params)
+        call = area_bound_call(pipeline, height * width)
         out = []
         for i, (prompt, data) in enumerate(zip(prompts, images)):
             try:
@@ -242,21 +302,47 @@ class BoundedDiffusers:
                     image = im.convert("RGB")
             except (UnidentifiedImageError, OSError) as exc:
                 raise RequestError(f"request: image {i} is not a readable image ({exc})") from None
-            h, w = reference_size(image.height, image.width, height * width)
-            image = pipeline.image_processor.resize(image, h, w)  # what the adapter does before encoding
-            result = pipeline(prompt=prompt, image=image, **kwargs).images[0]
+            if call is None:
+                h, w = reference_size(image.height, image.width, height * width)
+                image = pipeline.image_processor.resize(image, h, w)  # what the adapter does before encoding
+            result = (call or pipeline)(prompt=prompt, image=image, **kwargs).images[0]
             buf = io.BytesIO()
             result.save(buf, format="PNG")
             out.append(buf.getvalue())
         return out
 
 
+def import_base_modules(base: str) -> None:
+    """Import the diffusionrl modules a local base folder's ``model_index.json`` names for its components
+    (``builtin:tiny-qwen-image-edit``'s processor: ``diffusionrl.models.tiny_qwen_image_edit``'s
+    ``ImageOnlyQwen2VLProcessor``, which needs no torchvision): diffusers loads components from the libraries
+    it knows and from modules already imported, and never imports one a folder names. Only diffusionrl's are
+    imported (the library that wrote the folder); a hub id names the stock classes."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    index = Path(base) / "model_index.json" if base else None
+    if index is None or not index.is_file():
+        return
+    for name, value in json.loads(index.read_text()).items():
+        if isinstance(value, list) and value and str(value[0]).startswith("diffusionrl."):
+            try:
+                importlib.import_module(value[0])
+            except ImportError as exc:
+                raise MlflowException(f"the base model {base} has its {name} from {value[0]} ({exc}); serve it "
+                                      "where diffusionrl is installed") from None
+
+
 def _load_pyfunc(path, model_config=None):
     """The image model's pyfunc loader (its ``MLmodel`` names this module): MLflow's diffusers
     wrapper (the pipeline loads on the first request) behind the limits."""
+    from mlflow.diffusers import FLAVOR_NAME
     from mlflow.diffusers import _load_pyfunc as load_diffusers
+    from mlflow.utils.model_utils import _get_flavor_configuration
 
-    return BoundedDiffusers(load_diffusers(path, model_config))
+    base = (model_config or {}).get("base_model") or _get_flavor_configuration(str(path), FLAVOR_NAME)["base_model"]
+    return BoundedDiffusers(load_diffusers(path, model_config), base)
 
 
 def save_model(path, mlflow_model, **kwargs) -> None:
