@@ -210,7 +210,10 @@ def test_the_sglang_engine_refuses_kontext_naming_why():
 
 def test_the_logged_kontext_lora_edits_the_image_of_a_request(edits, tmp_path):
     """serving.log_lora_model on the Kontext preset: MLflow's input-example check runs an edit; the pyfunc
-    takes {"prompt", "image"} (bytes or base64), the image changes the output, a bad image is refused."""
+    takes {"prompt", "image"} (bytes or base64), the image changes the output, a bad image is refused. Seeded
+    as the evaluation seeds its sample, a request with the model's defaults serves the evaluation's tuned edit
+    of a held-out row pixel for pixel: the prompt's T5 tokens at the run's model.max_sequence_length (32), not
+    the Kontext pipeline's 512."""
     import base64
 
     import mlflow
@@ -219,6 +222,8 @@ def test_the_logged_kontext_lora_edits_the_image_of_a_request(edits, tmp_path):
     from mlflow.exceptions import MlflowException
 
     from diffusionrl import serving
+    from diffusionrl.data import load_prompts
+    from diffusionrl.evaluation import evaluate_lora
     from diffusionrl.tracking import TrackingRun
     from diffusionrl.train import train
 
@@ -252,6 +257,16 @@ def test_the_logged_kontext_lora_edits_the_image_of_a_request(edits, tmp_path):
     assert images_of({"prompt": ["a", "b"], "image": source}, 2) == [source, source]  # one for all
     with pytest.raises(MlflowException, match="3 input images for 2 prompts"):
         images_of({"prompt": ["a", "b"], "image": [source] * 3}, 2)
+
+    assert info.flavors["python_function"]["config"] == {"max_sequence_length": 32}  # model.max_sequence_length
+    row = load_prompts(cfg.data).test[0]
+    torch.manual_seed(cfg.eval.seed)  # the pipeline draws its initial noise from it: as the evaluation's seeded sample
+    (served,) = model.predict({"prompt": row["prompt"], "image": image_bytes(row["image"])})
+    ev = evaluate_lora(cfg, [row], lora, model_path=str(base))
+    diff = int(np.abs(np.asarray(Image.open(io.BytesIO(served)).convert("RGB")).astype(int) - ev.tuned_images[0]).max())
+    lora_effect = int(np.abs(ev.base_images[0].astype(int) - ev.tuned_images[0]).max())
+    print(f"kontext served vs evaluated edit: max |diff| = {diff} (tuned vs base: {lora_effect}) of 255")
+    assert diff == 0 and lora_effect > 0
 
 
 def test_nft_trains_on_edits_end_to_end(edits, tmp_path):

@@ -103,8 +103,9 @@ class FakeWan:
 def test_the_video_model_refuses_bad_requests_before_generating():
     from diffusionrl.serving.video_model import VideoLoraModel, generation_settings
 
+    cfg = tiny_config(preset="tiny-cpu-wan")
     model = VideoLoraModel()
-    model.settings = {"generation": generation_settings(tiny_config(preset="tiny-cpu-wan"))}
+    model.settings = {"generation": generation_settings(cfg)}
     model.pipe = FakeWan()
     for params, why in (({"num_inference_steps": 0}, "num_inference_steps=0"), ({"num_frames": 4}, "num_frames=4"),
                         ({"width": 8}, "width=8")):
@@ -113,6 +114,7 @@ def test_the_video_model_refuses_bad_requests_before_generating():
     assert model.pipe.calls == []
     (gif,) = model.predict(None, pd.DataFrame({"prompt": ["a cat"]}), params={"num_inference_steps": 2})
     assert gif[:3] == b"GIF" and model.pipe.calls[0][0] == ["a cat"]
+    assert model.pipe.calls[0][1]["max_sequence_length"] == cfg.model.max_sequence_length  # as the run encoded
 
 
 def test_the_text_model_refuses_bad_requests_before_decoding():
@@ -129,14 +131,19 @@ def test_the_text_model_refuses_bad_requests_before_decoding():
 
 def test_a_logged_image_lora_serves_within_bounds_and_refuses_outside_them(tmp_path):
     """serving.log_lora_model end to end on the tiny model: MLflow's input-example check and a
-    request inside the bounds generate; one outside them is refused."""
+    request inside the bounds generate; one outside them is refused. Seeded as the evaluation seeds its
+    sample, a request with the model's defaults serves the evaluation's tuned image pixel for pixel: the
+    prompt's T5 tokens at the run's model.max_sequence_length (32), not the SD3 pipeline's 256 (which
+    model_config can still ask for: the same request is then off)."""
     import io
 
     import mlflow
     import mlflow.pyfunc
+    import torch
     from PIL import Image
 
     from diffusionrl import serving
+    from diffusionrl.evaluation import evaluate_lora
     from diffusionrl.models import build_tiny_sd3_pipeline
     from diffusionrl.tracking import TrackingRun
     from diffusionrl.train import train
@@ -157,3 +164,18 @@ def test_a_logged_image_lora_serves_within_bounds_and_refuses_outside_them(tmp_p
     assert Image.open(io.BytesIO(png)).size == (32, 32)
     with pytest.raises(MlflowException, match="num_inference_steps=0 is out of bounds"):
         model.predict(pd.DataFrame({"prompt": ["a red cat"]}), params={"num_inference_steps": 0})
+
+    assert info.flavors["python_function"]["config"] == {"max_sequence_length": 32}  # model.max_sequence_length
+    torch.manual_seed(cfg.eval.seed)  # the pipeline draws its initial noise from it: as the evaluation's seeded sample
+    served = np.asarray(Image.open(io.BytesIO(model.predict({"prompt": "a red cat"})[0])).convert("RGB")).astype(int)
+    ev = evaluate_lora(cfg, [{"prompt": "a red cat"}], lora, model_path=str(base))
+    diff = int(np.abs(served - ev.tuned_images[0]).max())
+    lora_effect = int(np.abs(ev.base_images[0].astype(int) - ev.tuned_images[0]).max())
+    print(f"sd3 served vs evaluated image: max |diff| = {diff} (tuned vs base: {lora_effect}) of 255")
+    assert diff == 0 and lora_effect > 0
+    # the length matters: loaded with the pipeline's default 256 T5 tokens instead, the same request is off
+    stock = mlflow.pyfunc.load_model(info.model_uri, model_config={"max_sequence_length": 256})
+    stock.predict({"prompt": "a red cat"}, params={"num_inference_steps": 1})  # loads the pipeline
+    torch.manual_seed(cfg.eval.seed)
+    off = np.asarray(Image.open(io.BytesIO(stock.predict({"prompt": "a red cat"})[0])).convert("RGB")).astype(int)
+    assert np.abs(off - ev.tuned_images[0]).max() > 0

@@ -19,7 +19,9 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
 
     MLflow checks the input example by loading the model through pyfunc and generating from it
     (a failure there is logged as a warning): the registered model is known to serve. Its pyfunc
-    refuses requests outside ``request_limits`` (listed in the model's ``request_limits`` metadata).
+    refuses requests outside ``request_limits`` (listed in the model's ``request_limits`` metadata) and
+    samples as the run's evaluation does, prompts encoded at ``model.max_sequence_length`` (the pyfunc
+    flavor's model configuration, ``config`` in ``MLmodel``).
     ``card`` (``model_card.render_card``, diffusers layout) is the adapter folder's ``README.md``.
     ``example_image``: an editing model's input example's image (encoded bytes; the held-out row's)."""
     import mlflow
@@ -52,6 +54,7 @@ def log_lora_model(run: TrackingRun, cfg, peft_dir: str | Path, base_ref: str, e
             run_id=run.run_id,
             adapter_path=str(adapter),
             base_model=base_ref,
+            max_sequence_length=cfg.model.max_sequence_length,  # prompts encoded as the run's (request_limits)
             signature=signature,
             input_example=pd.DataFrame({"prompt": [example_prompt], **(
                 {"image": [example_image]} if family.editing and example_image is not None else {})}),

@@ -13,10 +13,12 @@ and its range (``RequestError``, an ``MlflowException`` with ``INVALID_PARAMETER
   with it as its code (``code/request_limits.py``: ``save_model``, what ``mlflow_model.log_lora_model``
   logs with) around MLflow's own diffusers wrapper, so serving still needs no diffusionrl install;
   hence it imports only the standard library and mlflow (pandas through mlflow; Pillow and torch, which
-  diffusers needs, for input images). An editing model (FLUX.1 Kontext, Qwen-Image-Edit) also takes ``{"prompt",
-  "image"}``: one input image (encoded bytes, or base64 as JSON carries them) per prompt or one for all
-  (``images_of``), each edited as training sampled it (``BoundedDiffusers.edit``; Qwen-Image-Edit, which only
-  edits, refuses prompts without an image);
+  diffusers needs, for input images). Every request samples as the run's evaluation does (``call_kwargs``): the
+  prompt encoded at the run's ``model.max_sequence_length`` (the pyfunc's logged model configuration, ``SEQ_LEN``; not
+  the pipeline's default, 512 for FLUX.1, 256 for SD3), a true-CFG pipeline's scale from ``guidance_scale``. An
+  editing model (FLUX.1 Kontext, Qwen-Image-Edit) also takes ``{"prompt", "image"}``: one input image (encoded
+  bytes, or base64 as JSON carries them) per prompt or one for all (``images_of``), each edited as training
+  sampled it (``BoundedDiffusers.edit``; Qwen-Image-Edit, which only edits, refuses prompts without an image);
 - videos: ``video_model.VideoLoraModel.predict``; text (block diffusion): ``bdlm.serving.BDLMDecoder``.
 """
 
@@ -34,6 +36,7 @@ MAX_PROMPTS = 64  # prompts per request
 MAX_PROMPT_CHARS = 1000  # characters per prompt (and per negative prompt)
 MAX_IMAGE_BYTES = 32 * 2**20  # per input image (editing models)
 GENERATION_PARAMS = ("num_inference_steps", "guidance_scale", "height", "width", "negative_prompt")  # MLflow's
+SEQ_LEN = "max_sequence_length"  # the pyfunc's model_config: the text-encoder tokens the run encoded prompts at
 
 
 class RequestError(MlflowException):
@@ -245,13 +248,23 @@ def true_cfg(kwargs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class BoundedDiffusers:
-    """MLflow's diffusers pyfunc wrapper, behind the request limits; an editing model's requests with
-    input images go to its pipeline here (MLflow's wrapper passes prompts only)."""
+def png(image) -> bytes:
+    import io
 
-    def __init__(self, inner, base: str = ""):
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class BoundedDiffusers:
+    """MLflow's diffusers pyfunc wrapper (which loads the pipeline), behind the request limits; the pipeline is
+    called here, with the arguments the run's evaluation samples with (MLflow's wrapper passes prompts and its
+    five params only: the pipeline's default ``max_sequence_length``, a true-CFG pipeline's default scale)."""
+
+    def __init__(self, inner, base: str = "", max_sequence_length: int | None = None):
         self.inner = inner
         self.base = base  # the base model's reference (hub id or folder)
+        self.max_sequence_length = max_sequence_length  # None (a model logged without it): the pipeline's default
 
     def get_raw_model(self):
         import_base_modules(self.base)
@@ -266,14 +279,33 @@ class BoundedDiffusers:
             if name in IMAGE_REQUIRED:
                 raise RequestError(f"request: this model ({name}) edits images; send an 'image' (encoded bytes, or "
                                    "their base64) with the prompts, one per prompt or one for all")
-            return self.inner.predict(prompts, params)
+            return self.generate(prompts, params or {})
         return self.edit(prompts, images, params or {})
+
+    def call_kwargs(self, pipeline, params: dict[str, Any]) -> dict[str, Any]:
+        """The pipeline's arguments for ``params`` as the run's evaluation samples: the ``GENERATION_PARAMS``
+        given (an empty negative prompt: the pipeline's default), the prompt encoded at the logged
+        ``max_sequence_length`` where the pipeline takes one, a true-CFG pipeline's guidance (``true_cfg``)."""
+        import inspect
+
+        kwargs = {k: params[k] for k in GENERATION_PARAMS if k in params and params[k] != ""}
+        if self.max_sequence_length and SEQ_LEN in inspect.signature(pipeline.__call__).parameters:
+            kwargs[SEQ_LEN] = int(self.max_sequence_length)
+        return true_cfg(kwargs, params) if type(pipeline).__name__ in TRUE_CFG else kwargs
+
+    def generate(self, prompts: list[str], params: dict[str, Any]) -> list[bytes]:
+        """Text to image, PNG bytes per prompt: one pipeline call for the batch, as MLflow's wrapper makes it."""
+        pipeline = self.get_raw_model()
+        images = pipeline(prompt=prompts, **self.call_kwargs(pipeline, params)).images
+        if not images:
+            raise MlflowException(f"the pipeline ({type(pipeline).__name__}) returned no images")
+        return [png(image) for image in images]
 
     def edit(self, prompts: list[str], images: list[bytes], params: dict[str, Any]) -> list[bytes]:
         """Each prompt's edit of its image, PNG bytes, output at ``height x width`` and sampled as the adapter
         samples: the image at the output's area at its own aspect (resized to ``reference_size`` and passed as
         the pipeline's ``image``, or as sent to a pipeline that encodes it at a fixed area: ``area_bound_call``),
-        a true-CFG pipeline's scale from ``guidance_scale`` (``true_cfg``)."""
+        the rest as ``call_kwargs``."""
         import inspect
         import io
 
@@ -284,7 +316,7 @@ class BoundedDiffusers:
         if "image" not in accepted:
             raise RequestError(f"request: this model ({type(pipeline).__name__}) does not edit images; send prompts "
                                "without an 'image'")
-        kwargs = {k: params[k] for k in GENERATION_PARAMS if k in params and params[k] != ""}
+        kwargs = self.call_kwargs(pipeline, params)
         height = kwargs.get("height") or pipeline.default_sample_size * pipeline.vae_scale_factor
         width = kwargs.get("width") or height
         kwargs.update(height=height, width=width)
@@ -292,8 +324,6 @@ class BoundedDiffusers:
             kwargs["max_area"] = height * width
         if "_auto_resize" in accepted:
             kwargs["_auto_resize"] = False  # the input at reference_size, as trained
-        if type(pipeline).__name__ in TRUE_CFG:
-            kwargs = true_cfg(kwargs, params)
         call = area_bound_call(pipeline, height * width)
         out = []
         for i, (prompt, data) in enumerate(zip(prompts, images)):
@@ -305,10 +335,7 @@ class BoundedDiffusers:
             if call is None:
                 h, w = reference_size(image.height, image.width, height * width)
                 image = pipeline.image_processor.resize(image, h, w)  # what the adapter does before encoding
-            result = (call or pipeline)(prompt=prompt, image=image, **kwargs).images[0]
-            buf = io.BytesIO()
-            result.save(buf, format="PNG")
-            out.append(buf.getvalue())
+            out.append(png((call or pipeline)(prompt=prompt, image=image, **kwargs).images[0]))
         return out
 
 
@@ -336,27 +363,33 @@ def import_base_modules(base: str) -> None:
 
 def _load_pyfunc(path, model_config=None):
     """The image model's pyfunc loader (its ``MLmodel`` names this module): MLflow's diffusers
-    wrapper (the pipeline loads on the first request) behind the limits."""
+    wrapper (the pipeline loads on the first request) behind the limits. ``model_config``: the logged
+    one (``max_sequence_length``), as ``mlflow.pyfunc.load_model(..., model_config=...)`` overrides it."""
     from mlflow.diffusers import FLAVOR_NAME
     from mlflow.diffusers import _load_pyfunc as load_diffusers
     from mlflow.utils.model_utils import _get_flavor_configuration
 
-    base = (model_config or {}).get("base_model") or _get_flavor_configuration(str(path), FLAVOR_NAME)["base_model"]
-    return BoundedDiffusers(load_diffusers(path, model_config), base)
+    config = model_config or {}
+    base = config.get("base_model") or _get_flavor_configuration(str(path), FLAVOR_NAME)["base_model"]
+    return BoundedDiffusers(load_diffusers(path, model_config), base, config.get(SEQ_LEN))
 
 
-def save_model(path, mlflow_model, **kwargs) -> None:
+def save_model(path, mlflow_model, max_sequence_length: int | None = None, **kwargs) -> None:
     """``mlflow.diffusers.save_model`` whose pyfunc flavor loads through this module, shipped as the
-    model's ``code/``: every request is bounded before MLflow's diffusers wrapper generates. The
+    model's ``code/``: every request is bounded, then generated as the run evaluated (``call_kwargs``).
+    ``max_sequence_length`` (the run's ``model.max_sequence_length``) is the pyfunc flavor's model
+    configuration (``MLmodel``'s ``config``, which ``load_model(..., model_config=...)`` overrides). The
     ``diffusers`` flavor (``mlflow.diffusers.load_model``) and the folder layout are unchanged.
     (``mlflow_model.log_lora_model`` passes this module to ``Model.log`` as the flavor.)"""
     from pathlib import Path
 
     import mlflow.diffusers
     from mlflow.models.model import MLMODEL_FILE_NAME
-    from mlflow.pyfunc import FLAVOR_NAME, MAIN
+    from mlflow.pyfunc import FLAVOR_NAME, MAIN, MODEL_CONFIG
 
     kwargs["code_paths"] = [*(kwargs.get("code_paths") or []), __file__]
     mlflow.diffusers.save_model(path=path, mlflow_model=mlflow_model, **kwargs)
     mlflow_model.flavors[FLAVOR_NAME][MAIN] = LOADER_MODULE
+    if max_sequence_length:
+        mlflow_model.flavors[FLAVOR_NAME][MODEL_CONFIG] = {SEQ_LEN: int(max_sequence_length)}
     mlflow_model.save(str(Path(path) / MLMODEL_FILE_NAME))
