@@ -1,6 +1,6 @@
 """The exactness checks every model family passes (docs/algorithms.md section 11), shared by
 ``test_flux.py``, ``test_qwen_image.py``, ``test_wan.py`` (over a loop of the family's tiny preset) and
-``test_same_latent.py``."""
+``test_same_latent.py``; and the registered model's served image against the evaluation's (``served_vs_evaluated``)."""
 
 from __future__ import annotations
 
@@ -62,3 +62,18 @@ def nft_one_step(preset: str, out_dir, adapter_class) -> None:
     assert all(not torch.equal(before[n], after[n]) for n in before)
     assert all(np.isfinite(v) for v in result.metrics[0].values())
     assert (result.model_dir / "adapter_model.safetensors").is_file()
+
+
+def served_vs_evaluated(served_png: bytes, ev, label: str) -> tuple[int, int]:
+    """A registered model's served image (PNG bytes) against the evaluation's tuned sample of the same prompt and
+    seed (``ev``: ``evaluate_lora`` of one row): ``(max |served - tuned|, max |tuned - base|)`` over 0-255, printed;
+    the second shows the comparison can tell the LoRA apart."""
+    import io
+
+    from PIL import Image
+
+    served = np.asarray(Image.open(io.BytesIO(served_png)).convert("RGB")).astype(int)
+    diff = int(np.abs(served - ev.tuned_images[0]).max())
+    lora_effect = int(np.abs(ev.base_images[0].astype(int) - ev.tuned_images[0]).max())
+    print(f"{label} served vs evaluated: max |diff| = {diff} (tuned vs base: {lora_effect}) of 255")
+    return diff, lora_effect

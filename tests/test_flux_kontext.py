@@ -29,7 +29,7 @@ from diffusionrl.train import build_loop
 from diffusionrl.trajectory import TrajectoryWriter, list_step_files, read_trajectory
 
 from .conftest import started_loop, tiny_config
-from .family_checks import recompute_diff, split_rel_diff, unchanged_after_update
+from .family_checks import recompute_diff, served_vs_evaluated, split_rel_diff, unchanged_after_update
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -263,9 +263,7 @@ def test_the_logged_kontext_lora_edits_the_image_of_a_request(edits, tmp_path):
     torch.manual_seed(cfg.eval.seed)  # the pipeline draws its initial noise from it: as the evaluation's seeded sample
     (served,) = model.predict({"prompt": row["prompt"], "image": image_bytes(row["image"])})
     ev = evaluate_lora(cfg, [row], lora, model_path=str(base))
-    diff = int(np.abs(np.asarray(Image.open(io.BytesIO(served)).convert("RGB")).astype(int) - ev.tuned_images[0]).max())
-    lora_effect = int(np.abs(ev.base_images[0].astype(int) - ev.tuned_images[0]).max())
-    print(f"kontext served vs evaluated edit: max |diff| = {diff} (tuned vs base: {lora_effect}) of 255")
+    diff, lora_effect = served_vs_evaluated(served, ev, "kontext edit")
     assert diff == 0 and lora_effect > 0
 
 

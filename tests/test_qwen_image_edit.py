@@ -25,7 +25,13 @@ from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 
 from .conftest import started_loop, tiny_config
-from .family_checks import nft_one_step, recompute_diff, split_rel_diff, unchanged_after_update
+from .family_checks import (
+    nft_one_step,
+    recompute_diff,
+    served_vs_evaluated,
+    split_rel_diff,
+    unchanged_after_update,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -269,11 +275,8 @@ def test_the_logged_lora_serves_the_evaluations_edit_and_its_card_runs(tmp_path,
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torchvision": False,
                                                                 "diffusionrl.models.tiny_qwen_image_edit": True}
-    ev = evaluate_lora(cfg, [row], lora)
-    served = np.asarray(Image.open(tmp_path / "served.png").convert("RGB")).astype(int)
-    diff = int(np.abs(served - ev.tuned_images[0]).max())
-    lora_effect = int(np.abs(ev.base_images[0].astype(int) - ev.tuned_images[0]).max())
-    print(f"qwen-image-edit served vs evaluated edit: max |diff| = {diff} (tuned vs base: {lora_effect}) of 255")
+    diff, lora_effect = served_vs_evaluated((tmp_path / "served.png").read_bytes(), evaluate_lora(cfg, [row], lora),
+                                            "qwen-image-edit edit")
     assert diff == 0 and lora_effect > 0
 
     mlflow.set_tracking_uri(uri)

@@ -11,6 +11,7 @@ from mlflow.exceptions import MlflowException
 from diffusionrl.serving.request_limits import MAX_PROMPTS, RequestError, check_params, describe, prompts_of
 
 from .conftest import tiny_config
+from .family_checks import served_vs_evaluated
 
 
 @pytest.mark.parametrize("name, value, bound", [
@@ -167,11 +168,9 @@ def test_a_logged_image_lora_serves_within_bounds_and_refuses_outside_them(tmp_p
 
     assert info.flavors["python_function"]["config"] == {"max_sequence_length": 32}  # model.max_sequence_length
     torch.manual_seed(cfg.eval.seed)  # the pipeline draws its initial noise from it: as the evaluation's seeded sample
-    served = np.asarray(Image.open(io.BytesIO(model.predict({"prompt": "a red cat"})[0])).convert("RGB")).astype(int)
+    (served,) = model.predict({"prompt": "a red cat"})
     ev = evaluate_lora(cfg, [{"prompt": "a red cat"}], lora, model_path=str(base))
-    diff = int(np.abs(served - ev.tuned_images[0]).max())
-    lora_effect = int(np.abs(ev.base_images[0].astype(int) - ev.tuned_images[0]).max())
-    print(f"sd3 served vs evaluated image: max |diff| = {diff} (tuned vs base: {lora_effect}) of 255")
+    diff, lora_effect = served_vs_evaluated(served, ev, "sd3 image")
     assert diff == 0 and lora_effect > 0
     # the length matters: loaded with the pipeline's default 256 T5 tokens instead, the same request is off
     stock = mlflow.pyfunc.load_model(info.model_uri, model_config={"max_sequence_length": 256})

@@ -265,22 +265,26 @@ class BoundedDiffusers:
         self.inner = inner
         self.base = base  # the base model's reference (hub id or folder)
         self.max_sequence_length = max_sequence_length  # None (a model logged without it): the pipeline's default
+        self.imported = False  # import_base_modules ran (once: it reads the base folder's model_index.json)
 
     def get_raw_model(self):
-        import_base_modules(self.base)
+        if not self.imported:
+            import_base_modules(self.base)
+            self.imported = True
         return self.inner.get_raw_model()
 
     def predict(self, data, params: dict[str, Any] | None = None):
         prompts = prompts_of(data)
         images = images_of(data, len(prompts))
         check_params(params)
+        pipeline = self.get_raw_model()
         if images is None:
-            name = type(self.get_raw_model()).__name__
+            name = type(pipeline).__name__
             if name in IMAGE_REQUIRED:
                 raise RequestError(f"request: this model ({name}) edits images; send an 'image' (encoded bytes, or "
                                    "their base64) with the prompts, one per prompt or one for all")
-            return self.generate(prompts, params or {})
-        return self.edit(prompts, images, params or {})
+            return self.generate(pipeline, prompts, params or {})
+        return self.edit(pipeline, prompts, images, params or {})
 
     def call_kwargs(self, pipeline, params: dict[str, Any]) -> dict[str, Any]:
         """The pipeline's arguments for ``params`` as the run's evaluation samples: the ``GENERATION_PARAMS``
@@ -293,15 +297,14 @@ class BoundedDiffusers:
             kwargs[SEQ_LEN] = int(self.max_sequence_length)
         return true_cfg(kwargs, params) if type(pipeline).__name__ in TRUE_CFG else kwargs
 
-    def generate(self, prompts: list[str], params: dict[str, Any]) -> list[bytes]:
+    def generate(self, pipeline, prompts: list[str], params: dict[str, Any]) -> list[bytes]:
         """Text to image, PNG bytes per prompt: one pipeline call for the batch, as MLflow's wrapper makes it."""
-        pipeline = self.get_raw_model()
         images = pipeline(prompt=prompts, **self.call_kwargs(pipeline, params)).images
         if not images:
             raise MlflowException(f"the pipeline ({type(pipeline).__name__}) returned no images")
         return [png(image) for image in images]
 
-    def edit(self, prompts: list[str], images: list[bytes], params: dict[str, Any]) -> list[bytes]:
+    def edit(self, pipeline, prompts: list[str], images: list[bytes], params: dict[str, Any]) -> list[bytes]:
         """Each prompt's edit of its image, PNG bytes, output at ``height x width`` and sampled as the adapter
         samples: the image at the output's area at its own aspect (resized to ``reference_size`` and passed as
         the pipeline's ``image``, or as sent to a pipeline that encodes it at a fixed area: ``area_bound_call``),
@@ -311,7 +314,6 @@ class BoundedDiffusers:
 
         from PIL import Image, UnidentifiedImageError
 
-        pipeline = self.get_raw_model()
         accepted = inspect.signature(pipeline.__call__).parameters
         if "image" not in accepted:
             raise RequestError(f"request: this model ({type(pipeline).__name__}) does not edit images; send prompts "
