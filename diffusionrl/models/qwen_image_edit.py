@@ -29,21 +29,16 @@ from diffusionrl.trajectory import Conditioning
 from .packed import pack
 from .qwen_image import QwenImageAdapter
 from .references import EditingReferences, image_key
-from .textside import TextSide
+from .textside import TextSide, pad_embeds
 from .tiny_qwen_image_edit import TINY_QWEN_IMAGE_EDIT_REF, build_tiny_qwen_image_edit_pipeline
 
 __all__ = ["QwenImageEditAdapter"]
 
 
 def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Embeddings ``[S_i, D]`` -> ``[N, max S, D]`` zero-padded, with a token mask (1 = real) or None where no
-    row is padded (as the pipeline's ``encode_prompt`` returns it)."""
-    s = max(r.shape[0] for r in rows)
-    embeds = torch.stack([torch.nn.functional.pad(r, (0, 0, 0, s - r.shape[0])) for r in rows])
-    if all(r.shape[0] == s for r in rows):
-        return embeds, None
-    mask = torch.stack([(torch.arange(s, device=r.device) < r.shape[0]).long() for r in rows])
-    return embeds, mask
+    """``pad_embeds``, the mask None where no row is padded (as the pipeline's ``encode_prompt`` returns it)."""
+    embeds, mask = pad_embeds(rows)
+    return embeds, None if bool(mask.all()) else mask
 
 
 class QwenImageEditAdapter(EditingReferences, QwenImageAdapter):

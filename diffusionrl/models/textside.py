@@ -1,7 +1,8 @@
 """``TextSide``: one side of a ``Conditioning`` (the prompts' or the negative prompt's text, and an editing
 family's input-image latents, the same on both sides) as one transformer forward takes it;
 ``FlowAdapter.velocity`` hands one to the family's ``_forward``, both sides in one batch (``TextSide.cat``)
-where a family runs its CFG pass batched (SD3, Z-Image)."""
+where a family runs its CFG pass batched (SD3, Z-Image); ``pad_embeds`` / ``unpad_embeds``: per-prompt embeddings of
+varying length as one padded batch with its token mask and back (Z-Image, Qwen-Image-Edit)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,21 @@ class TextSide:
         embeds = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, s - e.shape[1])) for e in (a.embeds, b.embeds)])
         image = None if a.image is None else torch.cat([a.image, b.image])
         return TextSide(embeds, torch.cat([a.pooled, b.pooled]), mask, image)
+
+
+def pad_embeds(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-prompt ``[S_i, D]`` -> ``([N, max S_i, D]`` zero-padded, ``[N, max S_i]`` int64 token mask)."""
+    longest = max(e.shape[0] for e in embeds)
+    out = embeds[0].new_zeros(len(embeds), longest, embeds[0].shape[1])
+    mask = torch.zeros(len(embeds), longest, dtype=torch.int64, device=embeds[0].device)
+    for i, e in enumerate(embeds):
+        out[i, : e.shape[0]] = e
+        mask[i, : e.shape[0]] = 1
+    return out, mask
+
+
+def unpad_embeds(embeds: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The inverse of ``pad_embeds``: each prompt's real tokens."""
+    if mask is None:
+        return list(embeds.unbind(0))
+    return [e[m.bool()] for e, m in zip(embeds, mask)]

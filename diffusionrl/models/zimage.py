@@ -23,25 +23,8 @@ import torch
 
 from .base import FlowAdapter
 from .packed import calculate_shift
+from .textside import pad_embeds, unpad_embeds
 from .tiny_zimage import TINY_ZIMAGE_REF, build_tiny_zimage_pipeline
-
-
-def pad_embeds(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-prompt ``[S_i, D]`` -> ``([N, max S_i, D]`` zero-padded, ``[N, max S_i]`` int64 token mask)."""
-    longest = max(e.shape[0] for e in embeds)
-    out = embeds[0].new_zeros(len(embeds), longest, embeds[0].shape[1])
-    mask = torch.zeros(len(embeds), longest, dtype=torch.int64, device=embeds[0].device)
-    for i, e in enumerate(embeds):
-        out[i, : e.shape[0]] = e
-        mask[i, : e.shape[0]] = 1
-    return out, mask
-
-
-def unpad_embeds(embeds: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """The inverse of ``pad_embeds``: each prompt's real tokens."""
-    if mask is None:
-        return list(embeds.unbind(0))
-    return [e[m.bool()] for e, m in zip(embeds, mask)]
 
 
 class ZImageAdapter(FlowAdapter):
