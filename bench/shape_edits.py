@@ -33,6 +33,7 @@ from diffusionrl.data import load_prompts
 from diffusionrl.data.images import row_images
 from diffusionrl.data.shape_edits import CATEGORIES
 from diffusionrl.data.shapes import draw_scene
+from diffusionrl.report import paired_bootstrap
 from diffusionrl.rewards import build_reward, prompt_validator
 
 
@@ -69,8 +70,7 @@ def gain_interval(base: np.ndarray, tuned: np.ndarray, rows: list[dict], resampl
     and its 90 % paired bootstrap interval, resampling each category's samples (``report.category_table``'s rule)."""
     categories = np.array([r["category"] for r in rows])
     diff = {c: tuned[categories == c] - base[categories == c] for c in CATEGORIES if np.any(categories == c)}
-    rng = np.random.default_rng(0)
-    draws = np.mean([d[rng.integers(0, len(d), (resamples, len(d)))].mean(axis=1) for d in diff.values()], axis=0)
+    draws = np.mean([d.mean(axis=1) for d in paired_bootstrap(diff, resamples, 0).values()], axis=0)
     gain = float(np.mean([d.mean() for d in diff.values()]))
     return {"gain": round(gain, 4), "interval_90": [round(float(np.percentile(draws, q)), 4) for q in (5, 95)]}
 

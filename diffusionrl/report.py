@@ -70,6 +70,14 @@ def curves_png(metrics: pd.DataFrame) -> np.ndarray | None:
     return image
 
 
+def paired_bootstrap(diff: dict[str, np.ndarray], resamples: int = 2000, seed: int = 0) -> dict[str, np.ndarray]:
+    """A paired, stratified bootstrap of per-sample differences (tuned - base) grouped by category: each draw
+    resamples every category's samples with replacement; ``{category: [resamples, n] resampled differences}``,
+    drawn in the dict's order from one generator seeded ``seed``."""
+    rng = np.random.default_rng(seed)
+    return {c: d[rng.integers(0, len(d), (resamples, len(d)))] for c, d in diff.items()}
+
+
 def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed: int = 0) -> pd.DataFrame | None:
     """GenEval's table: per category the prompts, the samples and the base and tuned accuracy, then
     ``overall`` by GenEval's rule (the mean of the category accuracies, each category counting once
@@ -92,12 +100,10 @@ def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed:
     table.loc["overall"] = [n_prompts, len(eval_table), table["base"].mean(), table["tuned"].mean()]
     table.loc["all samples"] = [n_prompts, len(eval_table), eval_table[base].mean(), eval_table[tuned].mean()]
     table["gain"] = table["tuned"] - table["base"]
-    # paired, stratified bootstrap: each draw resamples every category's samples with replacement
-    rng = np.random.default_rng(seed)
     cats = [c for c in table.index if c not in ("overall", "all samples")]
     diff = {c: (eval_table.loc[eval_table["category"] == c, tuned].to_numpy(float)
                 - eval_table.loc[eval_table["category"] == c, base].to_numpy(float)) for c in cats}
-    draws = {c: d[rng.integers(0, len(d), (resamples, len(d)))] for c, d in diff.items()}
+    draws = paired_bootstrap(diff, resamples, seed)
     gains = {c: v.mean(axis=1) for c, v in draws.items()}
     gains["overall"] = np.mean([gains[c] for c in cats], axis=0)
     gains["all samples"] = np.concatenate([draws[c] for c in cats], axis=1).mean(axis=1)
