@@ -97,19 +97,18 @@ def stock_one_by_one(adapter, spec: SamplingSpec, metadata: list[dict], prompt: 
                      generator=None, output_type: str = "latent"):
     """``QwenImageEditPlusPipeline``, one edit a call (it takes one prompt), its outputs stacked; its VAE
     image area is the sampling resolution's, as the adapter encodes the input image."""
-    from unittest import mock
-
     from PIL import Image
+
+    from diffusionrl.serving.request_limits import area_bound_call
 
     outs = []
     guidance = adapter.pipeline_kwargs(spec.guidance_scale, spec.negative_prompt)
-    with mock.patch("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE", spec.resolution ** 2):
-        for i, (text, image) in enumerate(zip(prompt, row_images(metadata))):
-            one = {} if latents is None else {"latents": latents[i:i + 1]}
-            one.update({} if generator is None else {"generator": generator[i]})
-            outs.append(adapter.pipe(prompt=text, image=Image.fromarray(image), height=spec.resolution,
-                                     width=spec.resolution, num_inference_steps=spec.num_steps, output_type=output_type,
-                                     **guidance, **one).images)
+    call = area_bound_call(adapter.pipe, spec.resolution ** 2)  # the stock __call__, VAE_IMAGE_SIZE at this area
+    for i, (text, image) in enumerate(zip(prompt, row_images(metadata))):
+        one = {} if latents is None else {"latents": latents[i:i + 1]}
+        one.update({} if generator is None else {"generator": generator[i]})
+        outs.append(call(prompt=text, image=Image.fromarray(image), height=spec.resolution, width=spec.resolution,
+                         num_inference_steps=spec.num_steps, output_type=output_type, **guidance, **one).images)
     return torch.cat(outs) if output_type == "latent" else np.concatenate(outs)
 
 
