@@ -186,7 +186,8 @@ def evaluate_bdlm(config: BDLMConfig, run: TrackingRun, warm_model: FlyteDirecto
 def register_bdlm(config: BDLMConfig, run: TrackingRun, model: FlyteDirectory, test_digest: str,
                   data_digest: str, eval_summary: dict[str, float]) -> Registration:
     """Log the policy as a pyfunc model that decodes prompts, register a version (``candidate``)
-    and move ``champion`` only if it beats the current one on the same evaluation."""
+    and move ``champion`` only if it beats the current one, and the warm-start model, on the same
+    evaluation (``eval.champion_metric``, ``eval.champion_over_base``)."""
     load_secrets(MLFLOW)
     from diffusionrl import tracking
     from diffusionrl.bdlm.serving import register_bdlm_model
@@ -194,7 +195,7 @@ def register_bdlm(config: BDLMConfig, run: TrackingRun, model: FlyteDirectory, t
     parent = tracking.client(run.uri).get_run(run.run_id).data.tags
     lineage = tracking.lineage(run, dataset_digest=data_digest, test_dataset_digest=test_digest,
                                task=config.task.kind, algorithm=parent.get("algorithm", ""), preset=config.preset)
-    reg = register_bdlm_model(run, config, model.download(), test_digest, eval_summary["eval/reward_mean"], lineage)
+    reg = register_bdlm_model(run, config, model.download(), test_digest, eval_summary, lineage)
     return record_registration(run, reg)
 
 

@@ -345,15 +345,15 @@ def register(config: Config, run: TrackingRun, lora: FlyteDirectory, model_dir: 
              test_prompts: pd.DataFrame, test_digest: str, prompts_digest: str,
              eval_summary: dict[str, float]) -> Registration:
     """Log the LoRA as an ``mlflow.diffusers`` model, register a version (alias ``candidate``) and
-    move ``champion`` only if it beats the current one on the same evaluation."""
+    move ``champion`` only if it beats the current one, and the base model, on the same evaluation
+    (``eval.champion_metric``, ``eval.champion_over_base``)."""
     load_secrets(HF_MLFLOW)
     from diffusionrl import serving, tracking
 
     lineage = tracking.lineage(run, dataset_digest=prompts_digest, test_dataset_digest=test_digest,
                                base_model_digest=model_digest, algorithm=config.algorithm.name, preset=config.preset)
     reg = serving.register_lora(run, config, lora.download(), model_dir.download(), model_digest,
-                                 rows_from_frame(test_prompts), test_digest, eval_summary["eval/reward_mean"], lineage,
-                                 summary=eval_summary)
+                                 rows_from_frame(test_prompts), test_digest, eval_summary, lineage)
     return record_registration(run, reg)
 
 

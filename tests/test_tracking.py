@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SECRET = "secret-value-7f3a9c"
 SMALL = TINY_OVERRIDES + ["data.num_prompts=24", "data.test_fraction=0.2", "eval.num_prompts=2"]
 GOOD = SMALL + ["train.steps=3", "train.log_images_every=1"]
-WORSE = SMALL + ["train.steps=1", "train.learning_rate=1e-12"]  # ~ the base model
+# ~ the base model; without the base-model bar (a decision setting, same eval_key) so it meets the champion
+WORSE = SMALL + ["train.steps=1", "train.learning_rate=1e-12", "eval.champion_over_base=false"]
 SECTION_10 = [
     "rollout/reward/raw_mean", "rollout/reward/raw_std", "rollout/reward/raw_min", "rollout/reward/raw_max",
     "rollout/reward/raw_median", "rollout/reward/num_samples", "rollout/reward/jpeg_compressibility_mean",
@@ -156,6 +157,10 @@ def test_registered_versions_candidate_and_champion(server, runs):
     client = _client(server)
     name = good.registered.name
     assert good.registered.aliases == ["candidate", "champion"] and good.registered.promoted
+    good_tags = client.get_model_version(name, good.registered.version).tags
+    assert good_tags["champion_metric"] == "eval/reward_mean"  # above the base model's on the same evaluation
+    assert float(good_tags["base_score"]) == pytest.approx(good.eval_summary["eval/base_reward_mean"])
+    assert float(good_tags["base_score"]) < good.registered.score
     assert worse.registered.score < good.registered.score  # the precondition of "worse"
     assert not worse.registered.promoted and worse.registered.champion_version == good.registered.version
     assert client.get_model_version_by_alias(name, "champion").version == good.registered.version

@@ -209,7 +209,8 @@ def test_a_two_expert_lora_registers_and_serves_as_the_local_pipeline_with_it(tm
     client = mlflow.MlflowClient(uri)
     experiment = client.create_experiment("wan22", artifact_location=str(tmp_path / "artifacts"))
     run = TrackingRun(uri, experiment, client.create_run(experiment).info.run_id)
-    reg = register_lora(run, cfg, lora, str(base), "digest", [{"prompt": "a red cat"}], "test-digest", 0.5, {})
+    reg = register_lora(run, cfg, lora, str(base), "digest", [{"prompt": "a red cat"}], "test-digest",
+                        {"eval/reward_mean": 0.5}, {})
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model(reg.model_uri)
     adapter = model.unwrap_python_model()

@@ -180,7 +180,14 @@ class BDLMEvalConfig:
     num_samples: NonNegativeInt = option(0, "Held-out prompts evaluated (0 = the whole test split)")
     threshold: float = option(0.9, "Commit threshold of the greedy evaluation decoder")
     champion_margin: float = option(
-        0.0, "Registry: promote to champion only if eval/reward_mean is better by more than this"
+        0.0, "Registry: promote to champion only if champion_metric is better by more than this"
+    )
+    champion_metric: Literal["eval/reward_mean", "eval/exact_match"] = option(
+        "eval/reward_mean", "Registry: the held-out figure that decides @champion (higher is better)"
+    )
+    champion_over_base: bool = option(
+        True, "Registry: champion only if champion_metric also beats the warm-start model's on the same "
+        "evaluation by more than champion_margin"
     )
 
     def __post_init__(self) -> None:

@@ -112,7 +112,9 @@ def compare(cfg: BDLMConfig, base_dir: str | Path, tuned_dir: str | Path) -> tup
 
 def eval_key(cfg: BDLMConfig, test_digest: str) -> str:
     """What makes two BDLM evaluation scores comparable (the registry compares only equal keys)."""
+    from diffusionrl.serving.champion import DECISION_ONLY
+
     what = {"test_prompts": test_digest, "task": vars(cfg.task),
-            "eval": {k: v for k, v in vars(cfg.eval).items() if k != "champion_margin"},
+            "eval": {k: v for k, v in vars(cfg.eval).items() if k not in DECISION_ONLY},
             "decoding": {"gen_length": cfg.model.gen_length, "block_size": cfg.model.block_size}}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -112,10 +112,12 @@ def log_bdlm_model(run, cfg, model_dir: str | Path, example_prompt: str, metadat
         )
 
 
-def register_bdlm_model(run, cfg, model_dir: str | Path, test_digest: str, score: float, lineage: dict[str, str]):
-    """Log the policy in ``model_dir`` and register it; a champion evaluated otherwise is re-scored
-    on this run's held-out split. -> ``serving.Registration``."""
-    from diffusionrl.serving import register
+def register_bdlm_model(run, cfg, model_dir: str | Path, test_digest: str, summary: dict[str, float],
+                        lineage: dict[str, str]):
+    """Log the policy in ``model_dir`` and register it on ``summary``'s ``eval.champion_metric`` (above
+    the warm-start model's with ``eval.champion_over_base``); a champion evaluated otherwise is
+    re-scored on this run's held-out split. -> ``serving.Registration``."""
+    from diffusionrl.serving import champion_scores, register
 
     from .evaluation import eval_key, evaluate
     from .task import make_splits
@@ -124,6 +126,8 @@ def register_bdlm_model(run, cfg, model_dir: str | Path, test_digest: str, score
     info = log_bdlm_model(run, cfg, model_dir, example, lineage)
 
     def rescore(downloaded: Path) -> float:
-        return evaluate(cfg, downloaded / "artifacts" / "model")["eval/reward_mean"]
+        return evaluate(cfg, downloaded / "artifacts" / "model")[cfg.eval.champion_metric]
 
-    return register(run, cfg, info, score, eval_key(cfg, test_digest), lineage, rescore=rescore)
+    score, base_score = champion_scores(cfg, summary)
+    return register(run, cfg, info, score, eval_key(cfg, test_digest), lineage, rescore=rescore,
+                    base_score=base_score)

@@ -190,7 +190,9 @@ TINY_CPU_SHAPES: dict[str, Any] = {
     "train": {"learning_rate": 1e-3, "steps": 30},
     # every held-out prompt, 8 seeds each in the final evaluation (1-2 prompts hold a category: fewer seeds
     # move a category's figure by whole steps); a probe of all of them every 5 steps
-    "eval": {"num_prompts": 0, "seeds_per_prompt": 8, "every": 5, "probe_prompts": 0, "guidance_scale": 1.0},
+    # @champion on the strict score (GenEval's overall), and only above the base model's
+    "eval": {"num_prompts": 0, "seeds_per_prompt": 8, "every": 5, "probe_prompts": 0, "guidance_scale": 1.0,
+             "champion_metric": "eval/geneval_mini_success/category_mean"},
     "tracking": {"registered_model": "tiny-sd3-shapes"},
 }
 

@@ -234,8 +234,10 @@ TINY_CPU_SHAPE_EDITS: dict[str, Any] = {
     "algorithm": {"name": "nft", "kl_beta": 0.0, "group_renoise": True},
     "sampling": {"guidance_scale": 1.0},
     "train": {"learning_rate": 1e-3, "steps": 30},
-    # every held-out row (13 per category), 2 seeds each in the final evaluation; a probe of all every 5 steps
-    "eval": {"num_prompts": 0, "seeds_per_prompt": 2, "every": 5, "probe_prompts": 0, "guidance_scale": 1.0},
+    # every held-out row (13 per category), 2 seeds each in the final evaluation; a probe of all every 5 steps;
+    # @champion on the strict edit success, and only above the base model's
+    "eval": {"num_prompts": 0, "seeds_per_prompt": 2, "every": 5, "probe_prompts": 0, "guidance_scale": 1.0,
+             "champion_metric": "eval/shape_edit_success"},
     "tracking": {"registered_model": "tiny-flux-kontext-shapes"},
 }
 

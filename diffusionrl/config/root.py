@@ -51,6 +51,7 @@ class Config(ConfigTree):
     def __post_init__(self) -> None:
         check_constraints(self, "")
         check_objective_fit(self)
+        check_champion_metric(self.eval.champion_metric, [f"{name}_" for name in self.reward.weights])
         if self.train.mixed_precision != "no" and self.model.device == "cpu":
             raise ConfigError(
                 f"train.mixed_precision={self.train.mixed_precision} needs a GPU; set it to 'no' on CPU"
@@ -63,6 +64,18 @@ class Config(ConfigTree):
     @classmethod
     def preset_dict(cls, name: str) -> dict:
         return get_preset(name).to_dict()
+
+
+def check_champion_metric(metric: str, prefixes: list[str], fixed: tuple[str, ...] = ("reward_mean",)) -> None:
+    """``eval.champion_metric`` names a tuned-model figure of the evaluation summary: ``eval/`` then one of
+    ``fixed`` or a figure starting with one of ``prefixes`` (the rewards'); never a base one."""
+    name = metric.removeprefix("eval/")
+    if metric.startswith("eval/") and not name.startswith("base_") and (
+            name in fixed or any(name.startswith(p) and len(name) > len(p) for p in prefixes)):
+        return
+    options = ", ".join([f"eval/{f}" for f in fixed] + [f"eval/{p}..." for p in prefixes])
+    raise ConfigError(f"eval.champion_metric={metric!r} names no figure of the tuned model's evaluation; "
+                      f"use one of {options}")
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config) if f.default_factory is not MISSING}

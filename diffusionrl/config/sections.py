@@ -367,6 +367,15 @@ class EvalConfig:
     seed: int = option(1234, "Seed of the evaluation noise (same for base and tuned)")
     use_ema: bool = option(True, "Evaluate the EMA weights when train.ema is on")
     champion_margin: NonNegativeFloat = option(0.0, "Registry: promote to champion only if better by more than this")
+    champion_metric: str = option(
+        "eval/reward_mean", "Registry: the held-out evaluation's figure that decides @champion, higher is better: "
+        "eval/reward_mean, eval/<reward>_mean, or a reward's per-sample figure (eval/geneval_mini_success, "
+        "eval/geneval_mini_success/category_mean: GenEval's overall)"
+    )
+    champion_over_base: bool = option(
+        True, "Registry: champion only if champion_metric also beats the base model's on the same evaluation "
+        "by more than champion_margin (a version worse than its base weights stays candidate)"
+    )
     every: NonNegativeInt = option(
         10, "Held-out probe every this many steps during training (0 = off): held-out reward and diversity, for the "
         "reward-hacking alarm (diffusionrl.heldout)"

@@ -12,7 +12,8 @@
   shipped as its code (so it imports only the standard library and mlflow, and is imported as a
   module: its names are not re-exported here);
 - ``video_model``, ``video_pyfunc``: a video LoRA as a pyfunc model from code (prompts -> GIF bytes);
-- ``champion``: comparable evaluations (``eval_key``), the decision, champions whose run failed;
+- ``champion``: comparable evaluations (``eval_key``), the score and the base model's bar
+  (``champion_scores``), the decision, champions whose run failed;
 - ``registry``: ``register`` (a version, alias ``candidate``, ``@champion`` only if better) and
   ``register_lora`` (the image workflow's registration, re-scoring a champion evaluated otherwise);
 - ``cli``: ``show``, ``python -m diffusionrl.serving show [--name NAME] [--tracking-uri URI]``.
@@ -23,7 +24,17 @@ it is imported only to log or load a video model, as before (``video_pyfunc`` is
 executes then).
 """
 
-from .champion import CANDIDATE, CHAMPION, current_champion, decide, eval_key, run_state, valid_champion
+from .champion import (
+    CANDIDATE,
+    CHAMPION,
+    base_metric,
+    champion_scores,
+    current_champion,
+    decide,
+    eval_key,
+    run_state,
+    valid_champion,
+)
 from .cli import main, show
 from .lora_export import ADAPTER_FILE, PEFT_SUBDIR, diffusers_adapter_dir
 from .mlflow_model import log_lora_model
@@ -32,8 +43,8 @@ from .registry import Registration, register, register_lora, version_url
 from .signature import image_params, model_signature
 
 __all__ = [
-    "ADAPTER_FILE", "CANDIDATE", "CHAMPION", "PEFT_SUBDIR", "Registration", "current_champion", "decide",
-    "diffusers_adapter_dir", "eval_key", "image_params", "log_lora_model", "main", "model_signature", "register",
-    "register_lora", "render_card", "run_state", "show", "valid_champion", "version_description", "version_url",
-    "write_card",
+    "ADAPTER_FILE", "CANDIDATE", "CHAMPION", "PEFT_SUBDIR", "Registration", "base_metric", "champion_scores",
+    "current_champion", "decide", "diffusers_adapter_dir", "eval_key", "image_params", "log_lora_model", "main",
+    "model_signature", "register", "register_lora", "render_card", "run_state", "show", "valid_champion",
+    "version_description", "version_url", "write_card",
 ]

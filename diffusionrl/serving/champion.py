@@ -5,6 +5,12 @@ guidance, reward and base weights, hashed into the ``eval_key`` tag). A version 
 ``FAILED`` (its execution failed after registering, or was killed and closed for a missing
 heartbeat: ``tracking.heartbeat``) is never a champion: ``valid_champion`` passes over it to the
 champion before it (its ``champion_before`` tag, and so on back).
+
+The score is the evaluation summary's ``eval.champion_metric`` (``eval/reward_mean`` by default; the
+shapes presets use the strict success). With ``eval.champion_over_base`` a version must also beat the
+base model's score on the same evaluation (``eval/base_...``, ``champion_scores``) by more than
+``eval.champion_margin``: a tuned model worse than the weights it started from is registered (alias
+``candidate``) but never ``champion``, the first version included.
 """
 
 from __future__ import annotations
@@ -19,13 +25,32 @@ log = logging.getLogger(__name__)
 
 CANDIDATE = "candidate"
 CHAMPION = "champion"
+DECISION_ONLY = ("champion_margin", "champion_over_base")  # eval settings that change no score
+
+
+def base_metric(metric: str) -> str:
+    """The base model's key of an evaluation summary key: ``eval/x`` -> ``eval/base_x``."""
+    return "eval/base_" + metric.removeprefix("eval/")
+
+
+def champion_scores(cfg, summary: dict[str, float]) -> tuple[float, float | None]:
+    """(the tuned model's ``eval.champion_metric`` in ``summary``, the base model's on the same
+    evaluation, or None when ``eval.champion_over_base`` is off or the summary has no base score)."""
+    from diffusionrl.errors import UserError
+
+    metric = cfg.eval.champion_metric
+    if metric not in summary:
+        known = ", ".join(sorted(k for k in summary if k.startswith("eval/") and not k.startswith("eval/base_")))
+        raise UserError(f"eval.champion_metric={metric!r} is not in this evaluation's summary; it has: {known}")
+    base = summary.get(base_metric(metric)) if cfg.eval.champion_over_base else None
+    return float(summary[metric]), (float(base) if base is not None else None)
 
 
 def eval_key(cfg, test_digest: str, base_model_digest: str) -> str:
     """What makes two evaluation scores comparable (16 hex chars)."""
     what = {
         "test_prompts": test_digest,
-        "eval": {k: v for k, v in vars(cfg.eval).items() if k != "champion_margin"},
+        "eval": {k: v for k, v in vars(cfg.eval).items() if k not in DECISION_ONLY},
         "resolution": cfg.sampling.eval_resolution or cfg.sampling.resolution,  # evaluation.eval_resolution
         "negative_prompt": cfg.sampling.negative_prompt,
         "ode_solver": cfg.sampling.ode_solver,
@@ -89,7 +114,13 @@ def valid_champion(c, name: str):
     return None, passed_over
 
 
-def decide(score: float, champion_score: float | None, margin: float) -> tuple[bool, str]:
+def decide(score: float, champion_score: float | None, margin: float,
+           base_score: float | None = None) -> tuple[bool, str]:
+    """(promote?, the decision in words): better than the champion, and than the base model when
+    ``base_score`` is given, by more than ``margin``."""
+    if base_score is not None and not score > base_score + margin:
+        return False, (f"not promoted: eval score {score:.6g} <= base model {base_score:.6g} + margin {margin:g} "
+                       "(eval.champion_over_base)")
     if champion_score is None:
         return True, "promoted: first comparable version (no champion yet)"
     if score > champion_score + margin:

@@ -1,8 +1,9 @@
 """The MLflow model registry: register a run's LoRA as a version and decide ``@champion``.
 
 A version is registered for every successful run and gets the alias ``candidate``. It becomes
-``champion`` only when its evaluation score beats the current champion's by more than
-``eval.champion_margin`` on the *same* evaluation (held-out prompts, seeds, steps, guidance,
+``champion`` only when its evaluation score (``eval.champion_metric``) beats the current champion's,
+and with ``eval.champion_over_base`` the base model's, by more than ``eval.champion_margin`` on the
+*same* evaluation (held-out prompts, seeds, steps, guidance,
 reward and base weights, hashed into the ``eval_key`` tag). When the champion was evaluated
 differently, its adapter is re-evaluated on this run's evaluation first; a champion on other base
 weights cannot be compared and is kept. The decision and both scores are recorded as version tags;
@@ -29,7 +30,16 @@ from urllib.parse import urlparse
 
 from diffusionrl.tracking import Heartbeat, TrackingRun, client, run_url
 
-from .champion import CANDIDATE, CHAMPION, close_if_stale, current_champion, decide, eval_key, valid_champion
+from .champion import (
+    CANDIDATE,
+    CHAMPION,
+    champion_scores,
+    close_if_stale,
+    current_champion,
+    decide,
+    eval_key,
+    valid_champion,
+)
 from .lora_export import PEFT_SUBDIR
 from .mlflow_model import log_lora_model
 
@@ -69,8 +79,10 @@ class Registration:
 
 
 def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage: dict[str, str],
-             rescore: Callable[[Path], float] | None = None, description: str = "") -> Registration:
-    """Register ``model_info`` as a version (alias candidate) and move ``champion`` only if better.
+             rescore: Callable[[Path], float] | None = None, description: str = "",
+             base_score: float | None = None) -> Registration:
+    """Register ``model_info`` as a version (alias candidate) and move ``champion`` only if better
+    than the champion and than ``base_score`` (the base model's on the same evaluation; None: no bar).
 
     ``rescore(model_dir) -> score`` re-evaluates another version (its downloaded MLflow model
     folder) on this run's evaluation; it is used when the champion's ``eval_key`` differs from
@@ -110,7 +122,7 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
     if champion is not None and champion_score is None:
         promoted, decision = False, f"kept champion: {note}"
     else:
-        promoted, decision = decide(score, champion_score, margin)
+        promoted, decision = decide(score, champion_score, margin, base_score)
         decision += note
     if passed_over:
         decision += f"; passed over {'; '.join(passed_over)}"
@@ -120,6 +132,8 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
         "champion_before": str(champion.version) if champion is not None else "",
         "champion_score_compared": repr(champion_score) if champion_score is not None else "",
         "champion_margin": repr(margin),
+        "champion_metric": getattr(cfg.eval, "champion_metric", "eval/reward_mean"),
+        "base_score": repr(base_score) if base_score is not None else "",
         **({"champion_passed_over": "; ".join(passed_over)[:5000]} if passed_over else {}),
     }
     for k, v in tags.items():
@@ -175,14 +189,15 @@ def lora_info(cfg, lora_dir: str | Path, model_path: str, model_digest: str) -> 
 
 
 def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, model_digest: str,
-                  test_rows: list[dict], test_digest: str, score: float, lineage: dict[str, str],
-                  summary: dict[str, float] | None = None) -> Registration:
+                  test_rows: list[dict], test_digest: str, summary: dict[str, float],
+                  lineage: dict[str, str]) -> Registration:
     """The image workflow's registration: log the LoRA (base weights referenced by hub id, folder or
     the persistent copy of a builtin model) with its model card (``README.md`` of the adapter folder,
     with the held-out ``summary`` of ``evaluation.evaluate_lora``; also the run's artifact
     ``model_card/README.md``), register it with a description (base model, objective, reward,
     steps, held-out score vs base, run id), and re-score a champion evaluated otherwise on this
-    run's held-out prompts."""
+    run's held-out prompts. The score is ``summary``'s ``eval.champion_metric``, and the base model's
+    the bar it must beat (``champion.champion_scores``)."""
     from diffusionrl.data.images import image_bytes
     from diffusionrl.evaluation import evaluate_lora
     from diffusionrl.models.fetch import base_model_reference
@@ -190,7 +205,8 @@ def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, 
     from .model_card import DIFFUSERS, render_card, version_description
 
     facts = lora_info(cfg, lora_dir, model_path, model_digest)
-    results = summary if summary else {"eval/reward_mean": score}
+    score, base_score = champion_scores(cfg, summary)
+    results = summary
     card = render_card(facts, results, layout=DIFFUSERS)
     info = log_lora_model(run, cfg, lora_dir, base_model_reference(cfg.model.name, model_path, model_digest),
                           example_prompt=test_rows[0]["prompt"], metadata=lineage, card=card,
@@ -201,11 +217,11 @@ def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, 
         # mlflow.diffusers keeps the adapter in adapter_weights/, the video pyfunc in artifacts/adapter/
         peft_dir = next(p for p in (model_dir / "adapter_weights" / PEFT_SUBDIR,
                                     model_dir / "artifacts" / "adapter" / PEFT_SUBDIR) if p.is_dir())
-        return evaluate_lora(cfg, test_rows, peft_dir, model_path=model_path).summary["eval/reward_mean"]
+        return evaluate_lora(cfg, test_rows, peft_dir, model_path=model_path).summary[cfg.eval.champion_metric]
 
     key = eval_key(cfg, test_digest, model_digest)
     return register(run, cfg, info, score, key, lineage, rescore=rescore,
-                    description=version_description(facts, results, run.run_id))
+                    description=version_description(facts, results, run.run_id), base_score=base_score)
 
 
 def version_url(uri: str, name: str, version: str) -> str:
