@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from diffusionrl.serving.model_card import render_card, version_description, write_card
+from diffusionrl.serving.model_card import editing_family, render_card, version_description, write_card
 
 from .conftest import tiny_config
 
@@ -109,6 +109,7 @@ def test_an_editing_models_card_serves_an_instruction_with_its_image():
         assert 'Path("input.png").read_bytes()' in served and '"image": [image]' in served
         assert ("VAE_IMAGE_SIZE" in card) == (family == "qwen-image-edit")  # the stock pipeline's 1024^2 input area
     assert front_matter(render_card(INFO))["pipeline_tag"] == "text-to-image"
+    assert not editing_family("") and not editing_family("sd15")  # no recorded family, or another library's
     assert '"image"' not in python_blocks(render_card(INFO))[-1]
 
 

@@ -88,9 +88,12 @@ def _snippet(info: dict, imports: list[str], body: list[str]) -> list[str]:
 
 def editing_family(family: str) -> bool:
     """Whether ``family`` (a ``diffusionrl.json`` ``family``) edits an input image (FLUX.1 Kontext, Qwen-Image-Edit)."""
-    from diffusionrl.models.families import ADAPTERS
+    from diffusionrl.models.families import UnknownModelFamily, adapter_for_family
 
-    return any(a.editing and a.family == family for a in ADAPTERS)
+    try:
+        return adapter_for_family(family).editing
+    except UnknownModelFamily:  # a folder written before diffusionrl.json recorded its family (""), or another's
+        return False
 
 
 @functools.lru_cache(maxsize=32)
