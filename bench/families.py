@@ -24,6 +24,12 @@ resize (``max_area``, ``_auto_resize=False``), as ``tests/test_flux_kontext.py``
 to the sampling resolution's (the size the adapter encodes the input at), and its ``stock_images_per_s`` is
 that one-at-a-time rate.
 
+A family with ``VARIANTS`` prints a parity row per variant after its own row (``variant``: its preset with the
+variant's overrides, ``ode_parity_max_abs`` as above and ``stock_default_max_abs``, the stock pipeline without the
+variant's own arguments, which shows the comparison can tell them apart): Wan2.2's ``guidance_scale_2``, CFG 4 on
+the high-noise expert's steps and 3 on the low-noise expert's against ``WanPipeline(guidance_scale=4.0,
+guidance_scale_2=3.0)``.
+
     python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,flux2-klein,wan22,flux-kontext,
                                          qwen-image-edit] [--budget-s 600] [--repeats 5] [--threads 1] [--skip-learning]
 """
@@ -55,6 +61,9 @@ FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-
             "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "flux2-klein": "tiny-cpu-flux2-klein",
             "wan22": "tiny-cpu-wan22", "flux-kontext": "tiny-cpu-flux-kontext",
             "qwen-image-edit": "tiny-cpu-qwen-image-edit"}
+# family -> its parity variants: (name, overrides of its preset, the stock pipeline's own arguments for them)
+VARIANTS = {"wan22": [("guidance_scale_2", ["sampling.guidance_scale=4.0", "sampling.guidance_scale_2=3.0"],
+                       ("guidance_scale_2",))]}
 # The learning run's reward where it is not jpeg_compressibility alone: a video family learns its
 # preset's reward, per-frame JPEG compressibility + temporal consistency (on tiny-wan, 40 steps: the
 # per-frame JPEG reward alone gains ~0.7 first-step stds, the sum ~6).
@@ -82,6 +91,8 @@ def stock(adapter, spec: SamplingSpec, metadata: list[dict] | None = None, **kwa
     if adapter.family == "qwen-image-edit":
         return stock_one_by_one(adapter, spec, metadata, **kwargs)
     frames = {"num_frames": spec.num_frames} if adapter.video else {}
+    if spec.guidance_scale_2 is not None:  # Wan2.2: the low-noise expert's CFG scale
+        frames["guidance_scale_2"] = spec.guidance_scale_2
     references = row_images(metadata)
     if references is not None:  # the input images at the sample's area, as our engine encodes them
         frames.update(image=[Image.fromarray(im) for im in references], max_area=spec.resolution ** 2,
@@ -112,15 +123,32 @@ def stock_one_by_one(adapter, spec: SamplingSpec, metadata: list[dict], prompt: 
     return torch.cat(outs) if output_type == "latent" else np.concatenate(outs)
 
 
-def ode_parity(adapter, cfg, spec: SamplingSpec, batch: int = 4) -> float:
+def ode_parity(adapter, cfg, spec: SamplingSpec, batch: int = 4, stock_spec: SamplingSpec | None = None) -> float:
+    """max |our ODE rollout's final latents - the stock pipeline's| from the same initial latents; the stock
+    pipeline at ``stock_spec`` where given (a variant's check that the comparison tells its arguments apart)."""
     spec = dataclasses.replace(spec, sde_type="ode")
     (prompts, metadata), seeds = inputs(adapter, cfg, batch), list(range(batch))
     traj = LocalRolloutEngine(adapter, adapter.transformer, batch).generate(prompts, list(range(batch)), seeds, spec,
                                                                             metadata=metadata)
     x0 = traj.latents[:, 0]  # the engine's initial noise, drawn from each sample's seed
-    out = stock(adapter, spec, metadata, prompt=prompts, latents=adapter.to_pipeline_latents(x0),
+    out = stock(adapter, stock_spec or spec, metadata, prompt=prompts, latents=adapter.to_pipeline_latents(x0),
                 output_type="latent")
     return float((adapter.from_pipeline_latents(out, spec.resolution) - traj.latents[:, -1]).abs().max())
+
+
+def variant_rows(family: str, preset: str, adapter) -> list[dict]:
+    """The parity row of each of ``family``'s ``VARIANTS``: ours against the stock pipeline given the variant's
+    arguments, and against it without them (``stock_default_max_abs``)."""
+    rows = []
+    for name, overrides, own in VARIANTS.get(family, []):
+        cfg = load_config(preset, overrides=overrides)
+        spec = SamplingSpec.from_config(cfg)
+        default = dataclasses.replace(spec, **{k: None for k in own})
+        rows.append({"family": family, "variant": name, "preset": preset, "overrides": overrides,
+                     "resolution": spec.resolution, "steps": spec.num_steps, "guidance_scale": spec.guidance_scale,
+                     "guidance_scale_2": spec.guidance_scale_2, "ode_parity_max_abs": ode_parity(adapter, cfg, spec),
+                     "stock_default_max_abs": ode_parity(adapter, cfg, spec, stock_spec=default)})
+    return rows
 
 
 def _grads(loop, traj, active, micro: int) -> dict[str, torch.Tensor]:
@@ -202,6 +230,8 @@ def main() -> None:
             result["learning"] = {k: learned[k] for k in ("gain_in_std", "steps", "wall_s", "reward_first",
                                                           "reward_last3")}
         _common.emit(result)
+        for row in variant_rows(family, preset, adapter):
+            _common.emit(row)
 
 
 if __name__ == "__main__":

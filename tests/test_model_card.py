@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from diffusionrl.serving.model_card import render_card, version_description, write_card
+from diffusionrl.serving.model_card import editing_family, render_card, version_description, write_card
 
 from .conftest import tiny_config
 
@@ -17,7 +17,7 @@ INFO = {
     "base_model": "stabilityai/stable-diffusion-3.5-medium", "base_model_revision": "b940f670",
     "base_model_digest": "ab" * 32, "step": 40, "algorithm": "flow_grpo", "config_digest": "0123456789abcdef",
     "family": "sd3", "pipeline_class": "StableDiffusion3Pipeline", "reward": {"ocr": 1.0},
-    "registered_model": "sd35m-ocr",
+    "registered_model": "sd35m-ocr", "max_sequence_length": 128,
 }
 RESULTS = {"eval/reward_mean": 0.62, "eval/base_reward_mean": 0.41, "eval/ocr_mean": 0.62, "eval/base_ocr_mean": 0.41,
            "eval/reward_gain": 0.21, "eval/win_rate": 0.75, "eval/num_prompts": 24.0, "eval/seeds_per_prompt": 1.0}
@@ -50,10 +50,15 @@ def test_a_card_says_what_the_lora_is_and_how_to_load_it():
     for fact in ("b940f670", "ab" * 32, "Training steps: 40", "0123456789abcdef", "`ocr` 1", "Flow-GRPO"):
         assert fact in card, fact
     assert "Not measured when this folder was written" in card and "report.html" in card
-    peft, diffusers, served = python_blocks(card)
+    peft, diffusers, sample, served = python_blocks(card)
     assert 'StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium", revision="b940f670")' \
         in peft and "PeftModel.from_pretrained(pipe.transformer," in peft
     assert "diffusers_adapter_dir(" in diffusers and "pipe.load_lora_weights(" in diffusers
+    # the run's text length, not the SD3 pipeline's default 256 (a card without it: the pipeline's default)
+    assert sample.strip() == 'image = pipe("a photo of a cat", max_sequence_length=128).images[0]'
+    assert "not the pipeline's default, 256" in card
+    no_length = {k: v for k, v in INFO.items() if k != "max_sequence_length"}
+    assert python_blocks(render_card(no_length))[2].strip() == 'image = pipe("a photo of a cat").images[0]'
     assert 'mlflow.pyfunc.load_model("models:/sd35m-ocr@champion")' in served
     assert render_card(INFO) == card  # nothing in it changes from one call to the next
 
@@ -73,15 +78,39 @@ def test_held_out_results_and_the_registered_layout():
     assert video["pipeline_tag"] == "text-to-video" and "wan" in video["tags"]
 
 
+def test_every_familys_sampling_call_takes_the_runs_text_length():
+    """Each family's stock pipeline call takes max_sequence_length (checked against its signature), so each card's
+    sampling call passes the run's; a pipeline whose call takes none (SD1.5's) gets none."""
+    import inspect
+
+    import diffusers
+
+    from diffusionrl.models.families import ADAPTERS
+    from diffusionrl.serving.model_card import pipeline_seq_len
+
+    for adapter in ADAPTERS:
+        call = inspect.signature(getattr(diffusers, adapter.pipeline_class).__call__).parameters
+        assert "max_sequence_length" in call, adapter.pipeline_class
+        assert pipeline_seq_len(adapter.pipeline_class) == call["max_sequence_length"].default
+        card = render_card({**INFO, "family": adapter.family, "pipeline_class": adapter.pipeline_class})
+        (sample,) = [b for b in python_blocks(card) if " = pipe(" in b]
+        assert "max_sequence_length=128)" in sample, (adapter.family, sample)
+        assert ("image=load_image(" in sample) == adapter.editing and (".frames[0]" in sample) == adapter.video
+    assert pipeline_seq_len("StableDiffusionPipeline") is None and pipeline_seq_len("NoSuchPipeline") is None
+    card = render_card({**INFO, "family": "sd", "pipeline_class": "StableDiffusionPipeline"})
+    assert python_blocks(card)[2].strip() == 'image = pipe("a photo of a cat").images[0]'
+
+
 def test_an_editing_models_card_serves_an_instruction_with_its_image():
     for family, pipeline in (("flux-kontext", "FluxKontextPipeline"), ("qwen-image-edit", "QwenImageEditPlusPipeline")):
         card = render_card({**INFO, "family": family, "pipeline_class": pipeline}, layout="diffusers")
         assert front_matter(card)["pipeline_tag"] == "image-to-image"
-        served = python_blocks(card)[2]
+        served = python_blocks(card)[-1]
         assert 'Path("input.png").read_bytes()' in served and '"image": [image]' in served
         assert ("VAE_IMAGE_SIZE" in card) == (family == "qwen-image-edit")  # the stock pipeline's 1024^2 input area
     assert front_matter(render_card(INFO))["pipeline_tag"] == "text-to-image"
-    assert '"image"' not in python_blocks(render_card(INFO))[2]
+    assert not editing_family("") and not editing_family("sd15")  # no recorded family, or another library's
+    assert '"image"' not in python_blocks(render_card(INFO))[-1]
 
 
 def test_version_description_names_base_objective_reward_steps_scores_and_run():
@@ -96,11 +125,19 @@ def test_version_description_names_base_objective_reward_steps_scores_and_run():
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_saved_lora_has_the_card_and_its_snippets_load_it(tmp_path, monkeypatch):
     """A trained folder's README is the card, adapter_config names the model, and the card's peft and
-    diffusers snippets, run as written, give the same transformer output with the LoRA applied."""
+    diffusers snippets, run as written, give the same transformer output with the LoRA applied. The run
+    evaluates at the stock SD3 pipeline's defaults (28 steps, guidance 7, 64 px), so the card's sampling call,
+    run as written and seeded as the evaluation seeds its sample, draws the evaluation's tuned image pixel for
+    pixel: the prompt's T5 tokens at the run's model.max_sequence_length (32); at the pipeline's 256 it is off."""
+    from diffusionrl.evaluation import evaluate_lora
     from diffusionrl.models.families import load_pipeline
     from diffusionrl.train import train
 
-    result = train(tiny_config("train.steps=1"), tmp_path / "run", resume=None)
+    from .family_checks import served_vs_evaluated
+
+    cfg = tiny_config("train.steps=1", "eval.every=0", "eval.num_steps=28", "eval.guidance_scale=7.0",
+                      "sampling.eval_resolution=64")
+    result = train(cfg, tmp_path / "run", resume=None)
     folder = tmp_path / "run" / "lora"
     card = (folder / "README.md").read_text()
     assert "More Information Needed" not in card and front_matter(card)["base_model"] == "builtin:tiny-sd3"
@@ -126,11 +163,31 @@ def test_a_saved_lora_has_the_card_and_its_snippets_load_it(tmp_path, monkeypatc
             return pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=enc,
                                     pooled_projections=pooled).sample
 
-    outputs = []
-    for block in python_blocks(card)[:2]:  # peft, diffusers (the third needs a registry)
+    outputs, pipes = [], []
+    for block in python_blocks(card)[:2]:  # peft, diffusers (then the sampling call; the last needs a registry)
         scope: dict = {}
         exec(block.replace("path/to/this/folder", str(folder)), scope)
         outputs.append(velocity(scope["pipe"]))
+        pipes.append(scope["pipe"])
     base = velocity(load_pipeline("builtin:tiny-sd3"))
     assert (outputs[0] - base).abs().max().item() > 1e-4  # the LoRA is applied
     assert (outputs[0] - outputs[1]).abs().max().item() <= 1e-6
+
+    sample = python_blocks(card)[2]
+    assert f"max_sequence_length={cfg.model.max_sequence_length})" in sample and cfg.model.max_sequence_length == 32
+    ev = evaluate_lora(cfg, [{"prompt": "a photo of a cat"}], folder)  # the card's prompt
+
+    def sampled(block: str) -> bytes:
+        import io
+
+        scope = {"pipe": pipes[1]}
+        torch.manual_seed(cfg.eval.seed)  # the pipeline draws its initial noise from it, as the evaluation's sample
+        exec(block, scope)
+        buffer = io.BytesIO()
+        scope["image"].save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    diff, lora_effect = served_vs_evaluated(sampled(sample), ev, "sd3 card snippet")
+    assert diff == 0 and lora_effect > 0
+    stock, _ = served_vs_evaluated(sampled(sample.replace(", max_sequence_length=32", "")), ev, "sd3 at 256 tokens")
+    assert stock > 0  # the text length matters

@@ -171,6 +171,15 @@ def test_lora_count_is_peft_s():
         p.numel() for p in policy.parameters())
 
 
+def test_a_family_name_picks_its_adapter_and_an_unknown_one_is_named():
+    from diffusionrl.models.families import ADAPTERS, UnknownModelFamily, adapter_for_family
+
+    assert all(adapter_for_family(a.family) is a for a in ADAPTERS)
+    assert M.lora_suffixes("flux", []) == adapter_for_family("flux").lora_suffixes([])
+    with pytest.raises(UnknownModelFamily, match=r"unknown model family 'sd15'; the families are \['flux', "):
+        M.lora_suffixes("sd15", [])
+
+
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 @pytest.mark.parametrize("gpu", ["H200", "H100"])
 def test_gpu_presets_fit_their_documented_cluster(preset, gpu):

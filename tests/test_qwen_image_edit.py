@@ -318,7 +318,9 @@ def test_the_logged_lora_serves_the_evaluations_edit_and_its_card_runs(tmp_path,
             scope: dict = {}
             exec(block.replace("path/to/this/folder", str(folder / "adapter_weights")), scope)
             assert (scope["pipe"].transformer(**kw)[0] - want).abs().max().item() <= 1e-6
-    served_block = blocks[2].replace(f"models:/{cfg.tracking.registered_model}@champion", info.model_uri)
+    # the sampling call passes the run's text length (the edit pipeline takes max_sequence_length; its default is 512)
+    assert f"image=load_image(\"input.png\"), max_sequence_length={cfg.model.max_sequence_length})" in blocks[2]
+    served_block = blocks[3].replace(f"models:/{cfg.tracking.registered_model}@champion", info.model_uri)
     monkeypatch.chdir(tmp_path)  # input.png is here
     scope = {}
     exec(served_block, scope)

@@ -49,6 +49,20 @@ class UnknownModelFamily(ModelReferenceError):
     """The reference's pipeline class (or builtin name) has no adapter."""
 
 
+@functools.cache
+def _by_family() -> dict[str, type[FlowAdapter]]:
+    return {a.family: a for a in ADAPTERS}
+
+
+def adapter_for_family(name: str) -> type[FlowAdapter]:
+    """The adapter class whose ``family`` is ``name`` (a ``diffusionrl.json``'s or the planner's family name);
+    an unknown name is ``UnknownModelFamily`` naming the known ones."""
+    adapter = _by_family().get(name)
+    if adapter is None:
+        raise UnknownModelFamily(f"unknown model family {name!r}; the families are {sorted(_by_family())}")
+    return adapter
+
+
 def looks_like_path(reference: str) -> bool:
     """Whether ``reference`` is meant as a local folder rather than a hub id (``org/name``): it
     starts like a path (``/``, ``./``, ``../``, ``~``), has more than one ``/``, ends with one, holds

@@ -78,17 +78,17 @@ def probe_config(family: str, config: dict) -> dict:
 def lora_suffixes(family: str, configured) -> list[str]:
     """The LoRA target suffixes a config's ``model.lora_targets`` means for ``family`` (its adapter's
     ``default_lora_targets`` where it lists none)."""
-    from diffusionrl.models.families import ADAPTERS
+    from diffusionrl.models.families import adapter_for_family
 
-    return {a.family: a for a in ADAPTERS}[family].lora_suffixes(configured)
+    return adapter_for_family(family).lora_suffixes(configured)
 
 
 # -- the adapter's forward on a bare transformer --------------------------------------------------
 def stub_adapter(family: str, transformer: torch.nn.Module, amp: str, device: str | torch.device = "cpu"):
     """The family's adapter around ``transformer`` alone: its ``velocity`` is the one training runs."""
-    from diffusionrl.models.families import ADAPTERS
+    from diffusionrl.models.families import adapter_for_family
 
-    cls = {a.family: a for a in ADAPTERS}[family]
+    cls = adapter_for_family(family)
     adapter = cls.__new__(cls)
     adapter.pipe = SimpleNamespace(transformer=transformer)
     adapter.device = torch.device(device)

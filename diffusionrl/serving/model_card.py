@@ -3,22 +3,26 @@
 ``render_card(info, results)`` is pure: ``info`` is what the trainer records beside the adapter
 (``diffusionrl.json``: ``base_model``, ``base_model_revision``, ``base_model_digest``, ``step``,
 ``algorithm``, ``config_digest``, and where known ``family``, ``pipeline_class``, ``reward``,
-``registered_model``, ``sft_source``, ``ema_decay``, ``world_size``, and for a LoRA of Wan2.2's two
-experts ``lora_experts``: ``high`` and/or ``low``), ``results`` the held-out
-evaluation's summary (``evaluation.evaluate_lora``: ``eval/reward_mean``, ``eval/base_reward_mean``,
-...) or ``None`` when the folder is written before it is evaluated. Nothing in a card depends on the
-time or on where the folder lies, so a resumed run writes the same card as an uninterrupted one.
+``max_sequence_length`` (the run's ``model.max_sequence_length``), ``registered_model``, ``sft_source``,
+``ema_decay``, ``world_size``, and for a LoRA of Wan2.2's two experts ``lora_experts``: ``high`` and/or
+``low``), ``results`` the held-out evaluation's summary (``evaluation.evaluate_lora``: ``eval/reward_mean``,
+``eval/base_reward_mean``, ...) or ``None`` when the folder is written before it is evaluated. Nothing in a
+card depends on the time or on where the folder lies, so a resumed run writes the same card as an uninterrupted
+one.
 
 Two layouts: ``peft`` (a run's ``lora/``: ``adapter_model.safetensors`` + ``adapter_config.json``)
 and ``diffusers`` (the registered model's adapter, ``lora_export.diffusers_adapter_dir``:
 ``pytorch_lora_weights.safetensors`` + ``peft/``; a two-expert LoRA: one file per expert,
-``lora_export.EXPERT_FILES``); each card gives the loading call of its layout.
+``lora_export.EXPERT_FILES``); each card gives the loading call of its layout, then one sampling call with the
+prompt encoded at the run's ``max_sequence_length`` where the pipeline's ``__call__`` takes one (its default,
+512 tokens for FLUX.1, 256 for SD3, gives other images than the run trained and evaluated with).
 ``write_card`` also sets ``adapter_config.json``'s ``base_model_name_or_path`` to the model id (peft
 records the folder the weights were loaded from, a temporary one in the workflow).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -84,9 +88,50 @@ def _snippet(info: dict, imports: list[str], body: list[str]) -> list[str]:
 
 def editing_family(family: str) -> bool:
     """Whether ``family`` (a ``diffusionrl.json`` ``family``) edits an input image (FLUX.1 Kontext, Qwen-Image-Edit)."""
-    from diffusionrl.models.families import ADAPTERS
+    from diffusionrl.models.families import UnknownModelFamily, adapter_for_family
 
-    return any(a.editing and a.family == family for a in ADAPTERS)
+    try:
+        return adapter_for_family(family).editing
+    except UnknownModelFamily:  # a folder written before diffusionrl.json recorded its family (""), or another's
+        return False
+
+
+@functools.lru_cache(maxsize=32)
+def pipeline_seq_len(pipeline_class: str) -> int | None:
+    """The default ``max_sequence_length`` of the diffusers pipeline ``pipeline_class``'s ``__call__``, or None
+    where the call takes no such argument (or diffusers has no such class)."""
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class, None) if pipeline_class else None
+    if cls is None or not any("__call__" in vars(k) for k in cls.__mro__):
+        return None
+    parameter = inspect.signature(cls.__call__).parameters.get("max_sequence_length")
+    return None if parameter is None else parameter.default
+
+
+def _sampling(info: dict) -> list[str]:
+    """One sampling call with the loaded ``pipe``: the prompt encoded at the run's ``max_sequence_length`` where
+    the pipeline's ``__call__`` takes one (the run encoded every prompt at it in training and evaluation)."""
+    family = info.get("family") or ""
+    editing = editing_family(family)
+    seq, default = info.get("max_sequence_length"), pipeline_seq_len(info.get("pipeline_class") or "")
+    args = [json.dumps("make the square blue" if editing else "a photo of a cat")]
+    if editing:
+        args.append(f"image=load_image({json.dumps(_INPUT)})")
+    if seq and default is not None:
+        args.append(f"max_sequence_length={int(seq)}")
+        text = (f"Then sample with `pipe` (either way), `max_sequence_length` at the run's {int(seq)} "
+                f"(`model.max_sequence_length`, which it trained and evaluated with, not the pipeline's default, "
+                f"{default})")
+    else:
+        text = "Then sample with `pipe` (either way)"
+    text += ("; the steps, guidance scale and size here are the pipeline's defaults (the run's evaluation used "
+             "its config's `eval.num_steps`, `eval.guidance_scale` and `sampling.eval_resolution`):")
+    output = "frames = pipe({}).frames[0]" if family == "wan" else "image = pipe({}).images[0]"
+    return [text, "", "```python", *(["from diffusers.utils import load_image", ""] if editing else []),
+            output.format(", ".join(args)), "```"]
 
 
 def _served(info: dict) -> list[str]:
@@ -166,7 +211,7 @@ def _loading(info: dict, layout: str) -> list[str]:
                   *_snippet(info, ["from diffusionrl.serving import diffusers_adapter_dir"],
                             [f'folder = diffusers_adapter_dir({here}, "lora-diffusers", {pipeline})',
                              "pipe.load_lora_weights(str(folder))"])]
-    return lines + [""] + _served(info)
+    return lines + [""] + _sampling(info) + [""] + _served(info)
 
 
 def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> str:
@@ -249,9 +294,11 @@ def version_description(info: dict, results: dict | None, run_id: str) -> str:
 
 
 def adapter_facts(cfg, family: str, pipeline_class: str) -> dict:
-    """What a saved adapter's ``diffusionrl.json`` adds for its card: the family, its pipeline class,
-    the reward weights (an RL run's) and the registry name."""
-    facts = {"family": family, "pipeline_class": pipeline_class, "registered_model": cfg.tracking.registered_model}
+    """What a saved adapter's ``diffusionrl.json`` adds for its card: the family, its pipeline class, the
+    text length its prompts were encoded at (``model.max_sequence_length``), the reward weights (an RL run's)
+    and the registry name."""
+    facts = {"family": family, "pipeline_class": pipeline_class, "max_sequence_length": cfg.model.max_sequence_length,
+             "registered_model": cfg.tracking.registered_model}
     if objective(cfg.algorithm.name).rewarded:
         facts["reward"] = dict(sorted(cfg.reward.weights.items()))
     return facts

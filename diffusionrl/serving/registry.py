@@ -184,7 +184,8 @@ def lora_info(cfg, lora_dir: str | Path, model_path: str, model_digest: str) -> 
             info = {**info, "lora_experts": experts}
     defaults = {"base_model": cfg.model.name, "base_model_revision": cfg.model.revision,
                 "base_model_digest": model_digest, "algorithm": cfg.algorithm.name, "step": cfg.train.steps,
-                "config_digest": cfg.digest(), "registered_model": cfg.tracking.registered_model}
+                "config_digest": cfg.digest(), "registered_model": cfg.tracking.registered_model,
+                "max_sequence_length": cfg.model.max_sequence_length}  # a folder written before it was recorded
     return {**defaults, **info}
 
 
