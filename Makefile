@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml
 # The main job on the embedded default (tiny-cpu-shapes: GenEval in miniature, the base model's
 # weights ship with the code, nothing is pretrained here): the Flyte workflow, executed locally. The
 # MLflow store (runs/mlflow) is kept across demos: each demo registers a new version that must
-# beat the current @champion to replace it.
+# beat the current @champion, and the base model's strict score, to replace it.
 demo: setup
 	rm -rf runs/demo
 	HF_HUB_OFFLINE=1 $(BIN)/pyflyte run workflows/grpo.py grpo --checkpoint_dir $(CURDIR)/runs/demo
