@@ -192,15 +192,18 @@ TINY_CPU_WAN22: dict[str, Any] = {
 
 # Over WAN21_T2V_OCR (presets.py): Wan2.2-T2V-A14B (two 14B experts split at boundary_ratio 0.875, UMT5,
 # the Wan2.1 VAE) on the same OCR recipe, LoRA r32 on both experts' attention, gradient checkpointing,
-# bf16, on ONE trainer rank: FSDP ranks would run different experts in one collective (a rank's units use
-# the expert of their own steps), so distributed.fsdp refuses two experts at world_size > 1. Memory: both
-# experts (~56 GB bf16) and UMT5 (~11 GB) on a 141 GB GPU (H200 class). CFG 4.0 on the high-noise expert's
-# steps and 3.0 on the low-noise expert's (guidance_scale_2), the model card's example (Wan2.2's own
-# sample_guide_scale). Not run here; registered as two diffusers LoRA files, one per expert (serving/lora_export.py).
+# bf16, on Wan2.1's layout: 8 FSDP ranks, each with its local engine (distributed/worker.aligned_work keeps
+# every rank on one expert per collective). Memory per rank, weights only (bf16): the engine's copy of both
+# experts (~56 GB), a 1/8 shard of the trained pair (~7 GB), UMT5 (~11 GB), ~74 GB of a 141 GB GPU (H200
+# class); one rank would hold the pair twice (~123 GB). Loading peaks as one rank does (the full pair and the
+# engine's copy before sharding). No planner sizes for Wan2.2 (plan/archs.py), so the activations are unchecked.
+# CFG 4.0 on the high-noise expert's steps and 3.0 on the low-noise expert's (guidance_scale_2), the model
+# card's example (Wan2.2's own sample_guide_scale). Not run here; registered as two diffusers LoRA files, one
+# per expert (serving/lora_export.py).
 WAN22_T2V_A14B_OCR: dict[str, Any] = {
     "model": {"name": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "lora_experts": "both"},
     "sampling": {"guidance_scale": 4.0, "guidance_scale_2": 3.0},
-    "train": {"micro_batch_size": 2, "world_size": 1, "rollout_engines": 1},
+    "train": {"micro_batch_size": 2},
     "eval": {"guidance_scale": 4.0, "guidance_scale_2": 3.0},
     "tracking": {"registered_model": "wan22-t2v-a14b-ocr"},
 }

@@ -2,12 +2,14 @@
 
 Each transformer block is one FSDP unit (``block_units``: every block of each of the transformer's
 block stacks, whatever the family names them), the transformer root (embeddings, final norm and
-projection) another. Base weights are frozen, LoRA tensors train: FSDP2 allows mixed
-``requires_grad`` inside a unit and only asks the trainable ones to share a dtype (fp32 master
-LoRA). With mixed precision the units all-gather and compute in fp16/bf16 and reduce gradients
-in fp32 into the fp32 sharded LoRA (the master weights). Timesteps and latents are not cast on
-the way in (``cast_forward_inputs=False``): the sinusoidal timestep embedding must see the
-rollout's fp32 timesteps, or recomputed log-probs drift.
+projection) another. Wan2.2's two experts (``WanExperts``): each expert's blocks are units, the root
+holds both experts' embeddings and heads; a forward runs one expert's blocks, so the ranks must run
+the same expert at every collective (``worker.aligned_work`` orders their units so). Base weights
+are frozen, LoRA tensors train: FSDP2 allows mixed ``requires_grad`` inside a unit and only asks the
+trainable ones to share a dtype (fp32 master LoRA). With mixed precision the units all-gather and
+compute in fp16/bf16 and reduce gradients in fp32 into the fp32 sharded LoRA (the master weights).
+Timesteps and latents are not cast on the way in (``cast_forward_inputs=False``): the sinusoidal
+timestep embedding must see the rollout's fp32 timesteps, or recomputed log-probs drift.
 
 Gradients are reduce-scattered as *sums* (divide factor 1 on NCCL; gloo lacks PREMUL_SUM, so there
 FSDP's mean is kept and the loss carries a x world_size factor): the trainer divides every unit's
@@ -19,8 +21,6 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-from diffusionrl.errors import UserError
 
 AMP_DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -38,13 +38,6 @@ def shard_policy(
 
     Returns the FSDP root and the loss multiplier of ``set_sum_reduction``."""
     transformer = policy.model.get_base_model()
-    if hasattr(transformer, "expert"):
-        # Each rank's units run the expert of their own steps: ranks on different sides of the boundary
-        # would all-gather different experts' blocks in one collective (same shapes, so no error: wrong
-        # weights). Until the plan keeps every rank on one expert per unit, two experts train on one rank.
-        raise UserError("train.world_size > 1 with a two-expert model (Wan2.2 A14B: transformer and "
-                        "transformer_2) is not supported: its FSDP ranks would run different experts in one "
-                        "collective; set train.world_size=1")
     mesh = mesh_for(device, world_size)
     amp = AMP_DTYPES[mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32, cast_forward_inputs=False)

@@ -8,10 +8,15 @@ owns, the count of each optimizer step is all-reduced *before* any backward, eve
 loss is divided once by that global count, and FSDP2 reduce-scatters gradient *sums*. N ranks x M
 micro-batches therefore give the gradient of one process (up to float summation order).
 
-FSDP2 runs collectives in every forward and backward, so ranks must run the same number of units
-per optimizer step: ranks with fewer units run zero-weight padding units (loss x 0 on one of their
-own micro-batches). A non-finite loss is not returned early (that would deadlock the others): its
-backward makes the global gradient norm non-finite, and every rank skips the step together.
+FSDP2 runs collectives in every forward and backward, so ranks must run the same units in the same
+order per optimizer step (``aligned_work``): ranks with fewer units run zero-weight padding units
+(loss x 0 on one of their own micro-batches). A model with two experts (Wan2.2 A14B: each step runs
+the expert of its timestep, each expert's blocks their own FSDP units) runs its units grouped by
+expert, every rank the same count of each (padded with that expert's steps), so every all-gather
+and reduce-scatter pairs up one expert's block on all ranks. The step's gradient is a sum over its
+units, so the order changes only the float summation order. A non-finite loss is not returned early
+(that would deadlock the others): its backward makes the global gradient norm non-finite, and every
+rank skips the step together.
 """
 
 from __future__ import annotations
@@ -60,6 +65,25 @@ def grpo_plan(traj, active: torch.Tensor, train_cfg, step: int) -> Plan:
     return plan
 
 
+def expert_of(adapter, t) -> str | None:
+    """The expert a forward at timestep ``t`` runs (``WanExperts.expert``); None for one transformer."""
+    experts = getattr(adapter, "experts", None)
+    return None if experts is None else experts.expert(t)
+
+
+def aligned_work(units: list[tuple[str | None, Unit]], experts: list[str | None], pad) -> list[tuple[Unit, bool]]:
+    """This rank's ``(expert, unit)`` pairs as ``(unit, real)`` in the order every rank runs them: grouped
+    by expert in ``experts``' order (the same on every rank: it comes from the shared timesteps), each
+    group padded with ``pad(expert)`` zero-weight units to the largest count of that expert over ranks.
+    A collective: every rank calls it with the same ``experts``."""
+    work: list[tuple[Unit, bool]] = []
+    for expert in experts:
+        mine = [u for e, u in units if e == expert]
+        n = int(all_reduce_scalar(len(mine), dist.ReduceOp.MAX))
+        work += [(u, True) for u in mine] + [(pad(expert), False) for _ in range(n - len(mine))]
+    return work
+
+
 def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
@@ -75,20 +99,19 @@ class DistributedTrainer(Trainer):
         self.loss_factor = loss_factor  # see fsdp.set_sum_reduction
         self.scaler = SyncedGradScaler(device.type, enabled=cfg.train.mixed_precision == "fp16")
 
-    def apply_sharded(self, units: list[Unit], pad, stats: UpdateStats) -> bool:
-        """One optimizer step over this rank's ``units`` (``pad()`` makes a zero-weight unit)."""
-        total = all_reduce_scalar(sum(u.count for u in units))
+    def apply_sharded(self, work: list[tuple[Unit, bool]], stats: UpdateStats) -> bool:
+        """One optimizer step over this rank's ``aligned_work`` (``(unit, real)``: padding is not real)."""
+        total = all_reduce_scalar(sum(u.count for u, real in work if real))
         if total <= 0:
             return False
         denom = total / self.loss_factor
-        n = int(all_reduce_scalar(len(units), dist.ReduceOp.MAX))
-        work = [(u, True) for u in units] + [(pad(), False) for _ in range(n - len(units))]
         self.optimizer.zero_grad(set_to_none=True)
         finite = True
         for unit, real in work:
             loss_sum, unit_stats = unit.compute()
             finite = finite and bool(torch.isfinite(loss_sum))
-            self.scaler.scale(loss_sum / denom).backward()
+            if loss_sum.requires_grad:  # else an expert without a LoRA (on every rank: same expert, same unit)
+                self.scaler.scale(loss_sum / denom).backward()
             if real:
                 for key, value in unit_stats.items():
                     stats.add(key, float(value), unit.count)
@@ -171,7 +194,8 @@ class TrainerRank:
             self.engine.release_memory()
 
     # -- training ---------------------------------------------------------------------------------
-    def _units(self, share, active, entry, first_chunk: int, probe) -> list[Unit]:
+    def _work(self, share, active, entry, first_chunk: int, probe) -> list[tuple[Unit, bool]]:
+        """This rank's units of one optimizer step (``entry`` of the plan), aligned over ranks."""
         m = share.micro_batch_size
         n_local = share.batch_size // m
         units = []
@@ -183,18 +207,28 @@ class TrainerRank:
             pairs = share.sde_mask[sl] & active[sl, None]
             for j in order:
                 mask = pairs[:, j]
-                units.append(Unit(float(mask.sum()), self.objective._make(share, sl, j, mask, probe)))
-        return units
+                units.append((expert_of(self.adapter, share.timesteps[j]),
+                              Unit(float(mask.sum()), self.objective._make(share, sl, j, mask, probe))))
+        # each expert's first step: its padding units run it (the timesteps are the same on every rank)
+        first: dict[str | None, int] = {}
+        for j, t in enumerate(share.timesteps):
+            first.setdefault(expert_of(self.adapter, t), j)
+        return aligned_work(units, list(first), self._pad(share, first))
 
-    def _pad(self, share):
+    def _pad(self, share, first: dict[str | None, int]):
+        """``pad(expert)``: a zero-weight unit on a step of ``expert`` (its forwards and backward, loss x 0)."""
         m = share.micro_batch_size
-        make = self.objective._make(share, slice(0, m), 0, torch.zeros(m, dtype=torch.bool), None)
 
-        def compute():
-            loss, _ = make()
-            return loss * 0.0, {}
+        def pad(expert) -> Unit:
+            make = self.objective._make(share, slice(0, m), first[expert], torch.zeros(m, dtype=torch.bool), None)
 
-        return lambda: Unit(0.0, compute)
+            def compute():
+                loss, _ = make()
+                return loss * 0.0, {}
+
+            return Unit(0.0, compute)
+
+        return pad
 
     def train_step(self, share, active: torch.Tensor, plan: Plan, first_chunk: int, step: int) -> dict[str, float]:
         """Every optimizer step of ``plan`` on this rank's ``share``; metrics reduced over ranks."""
@@ -203,8 +237,7 @@ class TrainerRank:
         stats = UpdateStats()
         probe = {"open": True}
         for entry in plan:
-            units = self._units(share, active, entry, first_chunk, probe)
-            self.trainer.apply_sharded(units, self._pad(share), stats)
+            self.trainer.apply_sharded(self._work(share, active, entry, first_chunk, probe), stats)
             probe["open"] = False
         keys = all_gather_keys(list(stats.sums))
         sums = all_reduce_sums({k: stats.sums.get(k, 0.0) for k in keys})
@@ -219,14 +252,13 @@ class TrainerRank:
 
     def gradients(self, share, active: torch.Tensor, entry, first_chunk: int) -> dict[str, torch.Tensor]:
         """Accumulated LoRA gradients of one optimizer step (no update), gathered (tests/benchmarks)."""
-        units = self._units(share, active, entry, first_chunk, None)
-        total = all_reduce_scalar(sum(u.count for u in units))
-        n = int(all_reduce_scalar(len(units), dist.ReduceOp.MAX))
-        pad = self._pad(share)
+        work = self._work(share, active, entry, first_chunk, None)
+        total = all_reduce_scalar(sum(u.count for u, real in work if real))
         self.trainer.optimizer.zero_grad(set_to_none=True)
-        for unit in units + [pad() for _ in range(n - len(units))]:
+        for unit, _real in work:
             loss_sum, _ = unit.compute()
-            (loss_sum / (total / self.trainer.loss_factor)).backward()
+            if loss_sum.requires_grad:
+                (loss_sum / (total / self.trainer.loss_factor)).backward()
         grads = {name: p.grad for name, p in self.policy.params.items()}
         out = full_state(grads)
         self.trainer.optimizer.zero_grad(set_to_none=True)
