@@ -65,12 +65,13 @@ def test_values_are_type_checked_and_yaml_style_floats_accepted(tmp_path):
 
 
 def test_machinery_and_presets_import_no_schema_module():
-    # The schema (config.root, config.sections) builds on config.tree, config.objectives and
+    # The schema (config.root, config.sections, config.sampling) builds on config.tree, config.objectives and
     # config.presets, never the reverse: no import statement of theirs reaches it, directly or not.
     from .test_imports import edges, modules
 
     mods = modules()
-    schema = {"diffusionrl.config", "diffusionrl.config.root", "diffusionrl.config.sections"}
+    schema = {"diffusionrl.config", "diffusionrl.config.root", "diffusionrl.config.sections",
+              "diffusionrl.config.sampling"}
     for name in ("diffusionrl.config.tree", "diffusionrl.config.objectives", "diffusionrl.config.presets"):
         reached, todo = set(), [name]
         while todo:

@@ -18,13 +18,13 @@ reverse. Everything other modules import is re-exported here.
 from .objectives import ALGORITHMS, RANKED, objective, resolved_kl_space
 from .presets import PRESETS
 from .root import Config, describe, dump_preset, get_preset, load_config, main
+from .sampling import SamplingConfig
 from .sections import (
     AlgorithmConfig,
     DataConfig,
     EvalConfig,
     ModelConfig,
     RewardConfig,
-    SamplingConfig,
     TrackingConfig,
     TrainConfig,
 )

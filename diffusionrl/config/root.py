@@ -1,7 +1,8 @@
 """The typed configuration tree of an image run (``Config``) and its loader.
 
-Every default lives once, in its section (``diffusionrl.config.sections``): ``model``, ``sampling``,
-``algorithm``, ``reward``, ``train``, ``eval``, ``data`` and ``tracking``. Each field carries its
+Every default lives once, in its section (``diffusionrl.config.sections``; ``sampling`` in
+``diffusionrl.config.sampling``): ``model``, ``sampling``, ``algorithm``, ``reward``, ``train``,
+``eval``, ``data`` and ``tracking``. Each field carries its
 help text in ``metadata["help"]``. Presets are named configurations (``tiny-cpu``, ``sd35m-ocr``,
 ...; ``diffusionrl.config.presets``); a YAML/JSON file and dotted ``key=value`` overrides are applied on
 top of a preset (any partial tree is laid over the preset its ``preset`` key names). Unknown keys,
@@ -26,6 +27,7 @@ from diffusionrl.errors import run_cli
 from . import sections as sec  # the sections, each named once below: Config's fields
 from .objectives import check_objective_fit
 from .presets import PRESETS, preset_changes
+from .sampling import SamplingConfig
 from .tree import (
     ConfigError,
     ConfigTree,
@@ -39,7 +41,7 @@ from .tree import (
 @dataclass
 class Config(ConfigTree):
     model: sec.ModelConfig = field(default_factory=sec.ModelConfig)
-    sampling: sec.SamplingConfig = field(default_factory=sec.SamplingConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     algorithm: sec.AlgorithmConfig = field(default_factory=sec.AlgorithmConfig)
     reward: sec.RewardConfig = field(default_factory=sec.RewardConfig)
     train: sec.TrainConfig = field(default_factory=sec.TrainConfig)
