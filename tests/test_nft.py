@@ -189,6 +189,25 @@ def test_gradient_does_not_depend_on_the_micro_batch_split(loop, scored):
     assert den > 0 and num / den <= 1e-5
 
 
+def test_nft_timesteps_trains_the_first_k_levels_of_the_same_plan_and_keeps_the_split_exact(loop, scored, monkeypatch):
+    """``algorithm.nft_timesteps = k``: each sample's first k noise levels (and noises) of the order
+    the full plan draws, k units per micro-batch, the gradient still independent of the split."""
+    traj, active = scored
+    obj = loop.backend.worker.objective
+    full = obj.plan(traj, step=0, epoch=0)
+    monkeypatch.setattr(obj.cfg.algorithm, "nft_timesteps", 2)
+    part = obj.plan(traj, step=0, epoch=0)
+    assert part.slots == 2 < full.slots == traj.num_steps - 1
+    assert np.array_equal(part.indices, full.indices[:, :2])
+    assert all(torch.equal(part.noise(range(8), j), full.noise(range(8), j)) for j in range(2))
+    assert len(obj.units(traj, traj.micro_batches(), active, part)) == 2 * len(traj.micro_batches())
+    one, many = _grads(loop, traj, active, micro=8), _grads(loop, traj, active, micro=2)
+    assert max(float((one[n] - many[n]).norm()) for n in one) / max(float(one[n].norm()) for n in one) <= 1e-5
+    monkeypatch.setattr(obj.cfg.algorithm, "nft_timesteps", 0)
+    every = _grads(loop, traj, active, micro=8)
+    assert any(not torch.allclose(every[n], one[n]) for n in one)  # another set of levels: another gradient
+
+
 def test_a_step_trains_every_tensor_moves_the_old_policy_by_eta_and_pushes_it(loop, scored):
     traj, active = scored
     obj = loop.backend.worker.objective
@@ -266,3 +285,7 @@ def test_nft_presets_and_validation():
         load_config(NFT, overrides=["algorithm.nft_adv_clip=10"])
     with pytest.raises(ConfigError, match="old_policy_rate"):
         load_config(NFT, overrides=["algorithm.old_policy_rate=-0.1"])
+    steps = tiny.sampling.num_steps
+    assert load_config(NFT, overrides=[f"algorithm.nft_timesteps={steps - 1}"]).algorithm.nft_timesteps == steps - 1
+    with pytest.raises(ConfigError, match=rf"nft_timesteps={steps} exceeds the rollout's {steps - 1} trainable"):
+        load_config(NFT, overrides=[f"algorithm.nft_timesteps={steps}"])

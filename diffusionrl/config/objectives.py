@@ -75,6 +75,10 @@ class NFTOptions:
     )
     old_policy_flat: NonNegativeInt = option(0, "DiffusionNFT steps before the old-policy eta ramp starts")
     old_policy_cap: float = option(0.5, "DiffusionNFT maximum old-policy eta")
+    nft_timesteps: NonNegativeInt = option(
+        0, "DiffusionNFT noise levels trained per sample and step: 0 = all T - 1; k = the first k of each sample's "
+        "random order (the reference's timestep_fraction = k / T): k / (T - 1) of the update's cost"
+    )
 
     def check(self) -> None:
         if not 0 <= self.old_policy_cap < 1:
@@ -83,6 +87,10 @@ class NFTOptions:
 
 def _nft_fit(cfg) -> None:
     ac = cfg.algorithm
+    if ac.nft_timesteps > cfg.sampling.num_steps - 1:
+        raise ConfigError(f"algorithm.nft_timesteps={ac.nft_timesteps} exceeds the rollout's "
+                          f"{cfg.sampling.num_steps - 1} trainable noise levels (sampling.num_steps - 1); "
+                          "use 0 for all of them")
     if ac.nft_adv_clip > ac.adv_clip_max:
         lo = 0.5 - ac.adv_clip_max / (2 * ac.nft_adv_clip)
         raise ConfigError(

@@ -117,6 +117,8 @@ def units_per_micro_batch(cfg) -> int:
         groups = max(1, math.ceil(cfg.train.micro_batch_size / cfg.train.group_size))
         width = (s.window_range[1] - s.window_range[0]) if s.step_strategy == "sde_window" else s.num_sde_steps
         return min(s.num_sde_steps * groups, max(width, s.num_sde_steps), s.num_steps - 1)
+    if name == "nft" and cfg.algorithm.nft_timesteps:
+        return cfg.algorithm.nft_timesteps  # DiffusionNFT on k of the T - 1 levels
     return s.num_steps - 1  # objectives that re-noise the clean latent at T - 1 levels
 
 

@@ -45,7 +45,8 @@ class TimestepPlan:
     """The noise levels and noises of one inner epoch of one step.
 
     Per sample, ``slots`` = T-1 of the rollout's T noise levels ``sigmas[0..T-1]`` (never the final
-    0) in random order, and one Gaussian noise per (sample, slot), drawn when a unit needs it.
+    0) in random order, or the first K of that order (DiffusionNFT's ``algorithm.nft_timesteps``),
+    and one Gaussian noise per (sample, slot), drawn when a unit needs it.
     """
 
     seed: int
@@ -58,9 +59,10 @@ class TimestepPlan:
 
     @classmethod
     def draw(cls, seed: int, step: int, epoch: int, keys: np.ndarray, num_steps: int,
-             shape: tuple[int, ...]) -> TimestepPlan:
-        """``keys[i]`` seeds sample i's noise levels and noises: samples with one key draw the same."""
-        slots = num_steps - 1
+             shape: tuple[int, ...], slots: int = 0) -> TimestepPlan:
+        """``keys[i]`` seeds sample i's noise levels and noises: samples with one key draw the same.
+        ``slots`` of them per sample (0: all T - 1), the first of the same random order."""
+        slots = slots or num_steps - 1
         keys = np.asarray(keys, dtype=np.int64)
         rows = [
             np.random.default_rng([_TIMESTEP_STREAM, seed, step, epoch, int(k)]).permutation(num_steps)[:slots]
@@ -103,7 +105,11 @@ class RenoisedUnits:
         """Each sample's draws keyed by its index, or by its prompt group (``algorithm.group_renoise``)."""
         shape = tuple(traj.latents.shape[2:])
         keys = traj.group_ids.numpy() if self.cfg.algorithm.group_renoise else np.arange(traj.batch_size)
-        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, keys, traj.num_steps, shape)
+        return TimestepPlan.draw(self.cfg.train.seed, step, epoch, keys, traj.num_steps, shape, self.train_slots())
+
+    def train_slots(self) -> int:
+        """Noise levels trained per sample and step (0: all T - 1)."""
+        return 0
 
     def units(self, traj: Trajectory, chunks: list[slice], active: torch.Tensor, plan: TimestepPlan) -> list[Unit]:
         if traj.advantages is None:
@@ -159,6 +165,9 @@ class NFTObjective(RenoisedUnits):
     def __init__(self, cfg, policy: LoraPolicy):
         super().__init__(cfg, policy)
         self.old = EMA(policy.lora_state(), decay=0.0)  # theta_old starts equal to theta
+
+    def train_slots(self) -> int:
+        return self.cfg.algorithm.nft_timesteps
 
     # -- the old policy ----------------------------------------------------------------------------
     def rollout_state(self) -> dict[str, torch.Tensor]:
