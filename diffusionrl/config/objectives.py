@@ -77,7 +77,7 @@ class NFTOptions:
     old_policy_cap: float = option(0.5, "DiffusionNFT maximum old-policy eta")
     nft_timesteps: NonNegativeInt = option(
         0, "DiffusionNFT noise levels trained per sample and step: 0 = all T - 1; k = the first k of each sample's "
-        "random order (the reference's timestep_fraction = k / T): k / (T - 1) of the update's cost"
+        "random order (a timestep fraction of k / T): k / (T - 1) of the update's cost"
     )
 
     def check(self) -> None:
