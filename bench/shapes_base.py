@@ -5,10 +5,12 @@ times with the evaluation's ODE sampling (``eval.num_steps``, ``eval.guidance_sc
 change them), judges each image with ``geneval_mini`` and prints one JSON line: strict success per
 category and overall (over samples, and GenEval's mean over categories), objects and shapeless blobs
 per image, the diversity (``heldout.diversity``), and the seconds it took. ``--grid PATH`` writes a
-PNG: five prompts a row, each prompt's samples side by side under its text.
+PNG: five prompts a row, each prompt's samples side by side under its text. ``--lora DIR`` judges the
+base with a LoRA a run wrote (``runs/x/lora``) instead: on ``--split train``, how well a run learned the
+prompts it trained on, next to the held-out split's figure.
 
     python bench/shapes_base.py [--seeds 4] [--split test] [--grid docs/images/shapes-base.png]
-                                [--set eval.guidance_scale=3]
+                                [--set eval.guidance_scale=3] [--lora runs/x/lora]
 """
 
 from __future__ import annotations
@@ -57,20 +59,26 @@ def main() -> None:
     ap.add_argument("--split", choices=("test", "train"), default="test")
     ap.add_argument("--grid", default=None, help="write a PNG grid of the samples here")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--lora", default=None, help="a LoRA folder a run on builtin:tiny-sd3-shapes wrote")
     args = ap.parse_args()
     cfg = load_config("tiny-cpu-shapes", overrides=args.overrides)
     rows = getattr(load_prompts(cfg.data), args.split)
     adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
+    transformer = adapter.transformer
+    if args.lora:
+        from peft import PeftModel
+
+        transformer = PeftModel.from_pretrained(transformer, args.lora).eval()
     k = args.seeds
     prompts, groups, seeds, metadata = eval_samples(rows, k, cfg.eval.seed)  # the evaluation's samples
     t0 = time.perf_counter()
-    traj = LocalRolloutEngine(adapter, adapter.transformer, 32).generate(
+    traj = LocalRolloutEngine(adapter, transformer, 32).generate(
         prompts, groups, seeds, eval_spec(cfg), None, metadata)
     result = GenEvalMini()(traj.images, prompts, metadata)
     success = result.per_sample["success"]
     cats = np.array([m["category"] for m in metadata])
     per = {c: round(float(success[cats == c].mean()), 4) for c in CATEGORIES if (cats == c).any()}
-    out = {"split": args.split, "prompts": len(rows), "samples_per_prompt": k,
+    out = {"split": args.split, "lora": args.lora, "prompts": len(rows), "samples_per_prompt": k,
            "success": per, "overall": round(float(success.mean()), 4),
            "categories_mean": round(float(np.mean(list(per.values()))), 4),
            "objects_per_image": round(result.info["objects_per_image"], 3),
