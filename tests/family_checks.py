@@ -1,14 +1,19 @@
 """The exactness checks every model family passes (docs/algorithms.md section 11), shared by
-``test_flux.py``, ``test_qwen_image.py``, ``test_wan.py`` (over a loop of the family's tiny preset) and
-``test_same_latent.py``; and the registered model's served image against the evaluation's (``served_vs_evaluated``)."""
+``test_family_exactness.py`` (over a loop of each family's tiny preset), ``test_same_latent.py`` and the
+objective tests; the registered model's served image against the evaluation's (``served_vs_evaluated``); the
+FLUX.1 Kontext editing rows (``scene``, ``write_kontext_edits``)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import io
+import json
+from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
 
 from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
@@ -68,12 +73,39 @@ def served_vs_evaluated(served_png: bytes, ev, label: str) -> tuple[int, int]:
     """A registered model's served image (PNG bytes) against the evaluation's tuned sample of the same prompt and
     seed (``ev``: ``evaluate_lora`` of one row): ``(max |served - tuned|, max |tuned - base|)`` over 0-255, printed;
     the second shows the comparison can tell the LoRA apart."""
-    import io
-
-    from PIL import Image
-
     served = np.asarray(Image.open(io.BytesIO(served_png)).convert("RGB")).astype(int)
     diff = int(np.abs(served - ev.tuned_images[0]).max())
     lora_effect = int(np.abs(ev.base_images[0].astype(int) - ev.tuned_images[0]).max())
     print(f"{label} served vs evaluated: max |diff| = {diff} (tuned vs base: {lora_effect}) of 255")
     return diff, lora_effect
+
+
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}
+
+
+def scene(color: str, shape: str, size: int = 32) -> Image.Image:
+    """A ``color`` square or circle on a light background: an input image to edit."""
+    im = Image.new("RGB", (size, size), (245, 245, 240))
+    box = (size // 4, size // 4, 3 * size // 4, 3 * size // 4)
+    (ImageDraw.Draw(im).ellipse if shape == "circle" else ImageDraw.Draw(im).rectangle)(box, fill=COLORS[color])
+    return im
+
+
+def png(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_kontext_edits(folder: Path) -> Path:
+    """An editing dataset in ``folder``: 16 rows, each a prompt and a source scene (a path relative to the file)."""
+    (folder / "scenes").mkdir()
+    rows = []
+    for i, (color, shape) in enumerate((c, s) for c in COLORS for s in ("square", "circle")):
+        scene(color, shape).save(folder / "scenes" / f"{i}.png")
+        for target in ("green", "yellow"):
+            if target != color:
+                rows.append({"prompt": f"make the {color} {shape} {target}", "image": f"scenes/{i}.png",
+                             "category": "color"})
+    (folder / "edits.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return folder / "edits.jsonl"

@@ -1,16 +1,15 @@
 """FLUX.1 Kontext (image editing) through the model-family seam: builtin:tiny-flux-kontext, parity with
-the stock FluxKontextPipeline on the same input image, the exactness invariants (docs/algorithms.md
-section 11) on rows that carry an input image, the preset's training run, and trajectories that trace
-each sample back to its input image."""
+the stock FluxKontextPipeline on the same input image, the preset's training run, trajectories that trace
+each sample back to its input image, the logged LoRA serving edits, NFT on edits. The exactness invariants
+(docs/algorithms.md section 11) on rows that carry an input image: ``test_family_exactness.py``."""
 
 import hashlib
 import io
-import json
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from diffusionrl.data.images import image_bytes, resolve_row_image
 from diffusionrl.models import (
@@ -28,26 +27,10 @@ from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
 from diffusionrl.trajectory import TrajectoryWriter, list_step_files, read_trajectory
 
-from .conftest import started_loop, tiny_config
-from .family_checks import recompute_diff, served_vs_evaluated, split_rel_diff, unchanged_after_update
+from .conftest import tiny_config
+from .family_checks import png, scene, served_vs_evaluated, write_kontext_edits
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-COLORS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}
-
-
-def scene(color: str, shape: str, size: int = 32) -> Image.Image:
-    im = Image.new("RGB", (size, size), (245, 245, 240))
-    box = (size // 4, size // 4, 3 * size // 4, 3 * size // 4)
-    (ImageDraw.Draw(im).ellipse if shape == "circle" else ImageDraw.Draw(im).rectangle)(box, fill=COLORS[color])
-    return im
-
-
-def png(im: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return buf.getvalue()
-
 
 @pytest.fixture(scope="module")
 def kontext():
@@ -122,50 +105,7 @@ def test_input_images_are_encoded_once_each_and_alone(kontext):
 @pytest.fixture(scope="module")
 def edits(tmp_path_factory):
     """An editing dataset: 16 rows, each a prompt and a source scene (a path relative to the file)."""
-    folder = tmp_path_factory.mktemp("edits")
-    (folder / "scenes").mkdir()
-    rows = []
-    for i, (color, shape) in enumerate((c, s) for c in COLORS for s in ("square", "circle")):
-        scene(color, shape).save(folder / "scenes" / f"{i}.png")
-        for target in ("green", "yellow"):
-            if target != color:
-                rows.append({"prompt": f"make the {color} {shape} {target}", "image": f"scenes/{i}.png",
-                             "category": "color"})
-    (folder / "edits.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return folder / "edits.jsonl"
-
-
-@pytest.fixture(scope="module")
-def loop(tmp_path_factory, edits):
-    cfg = tiny_config("algorithm.kl_beta=0.04", f"data.source={edits}", "data.test_fraction=0.2",
-                      preset="tiny-cpu-flux-kontext")
-    with started_loop(cfg, tmp_path_factory.mktemp("loop")) as lp:
-        yield lp
-
-
-def test_the_loop_edits_the_rows_input_images(loop, scored):
-    traj, _ = scored
-    assert isinstance(loop.backend.worker.adapter, FluxKontextAdapter)
-    assert traj.conditioning.image_latents.shape == (8, 16, 4, 4)
-    assert all(m["image_uri"].endswith(".png") and len(m["image_sha256"]) == 64 for m in traj.metadata)
-
-
-def test_recomputed_log_probs_equal_rollout_log_probs_before_the_update(loop, scored):
-    diff = recompute_diff(loop, scored[0])
-    print(f"kontext recompute: max |rollout - recompute| = {diff:.3g}")
-    assert diff <= 1e-6, diff
-
-
-def test_gradient_does_not_depend_on_the_micro_batch_split(loop, scored):
-    rel = split_rel_diff(loop, *scored)
-    print(f"kontext micro-batch split: relative gradient difference = {rel:.3g}")
-    assert rel <= 1e-5, rel
-
-
-def test_every_lora_parameter_changes_after_a_step(loop, scored):
-    unchanged, metrics = unchanged_after_update(loop, *scored)
-    assert not unchanged, f"{len(unchanged)} LoRA tensors did not change, e.g. {unchanged[:2]}"
-    assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6
+    return write_kontext_edits(tmp_path_factory.mktemp("edits"))
 
 
 def test_the_preset_trains_two_steps_and_trajectories_trace_to_the_input_image(edits, tmp_path):
