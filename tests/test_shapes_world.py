@@ -47,6 +47,20 @@ def test_the_prompt_source_loads_the_split_with_specs():
     assert all("spec" in r and "category" in r for r in prompts.train + prompts.test)
 
 
+def test_the_four_prompt_bench_set_is_rows_of_the_world():
+    """bench/data/shapes-4 (README: four fixed prompts): world rows as the generator writes them, one of
+    each of four categories a split, no prompt in both, none of its test prompts trained on."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "bench" / "data" / "shapes-4"
+    prompts = load_prompts(DataConfig(source=str(folder), test_fraction=0.2, seed=0))
+    world = {r["prompt"]: r for r in shape_prompts()}
+    for split in (prompts.train, prompts.test):
+        assert len(split) == 4 and all(world[r["prompt"]] == r for r in split)
+        assert sorted(r["category"] for r in split) == ["colors", "counting", "position", "two"]
+    assert not {r["prompt"] for r in prompts.train} & {r["prompt"] for r in prompts.test}
+
+
 def test_drawings_match_their_specs():
     rng = np.random.default_rng(0)
     for row in shape_prompts():
