@@ -29,7 +29,7 @@ from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
 from diffusionrl.training.trainer import UpdateStats
 
-from .conftest import tiny_config
+from .conftest import started_loop, tiny_config
 from .family_checks import recompute_diff, split_rel_diff
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -95,10 +95,8 @@ def test_ode_sampling_equals_the_stock_two_expert_pipeline(wan22, guidance):
 
 
 def _loop(tmp_path, *extra):
-    cfg = tiny_config("algorithm.kl_beta=0.04", *extra, preset="tiny-cpu-wan22")
-    lp = build_loop(cfg, tmp_path, progress=False)
-    lp.backend.push_weights(0)
-    return lp
+    """A started tiny-cpu-wan22 loop (``conftest.started_loop``: closed on leaving the ``with``)."""
+    return started_loop(tiny_config("algorithm.kl_beta=0.04", *extra, preset="tiny-cpu-wan22"), tmp_path)
 
 
 def test_guidance_scale_2_reaches_the_recompute_the_parquet_file_and_the_evaluation(tmp_path):
@@ -107,16 +105,15 @@ def test_guidance_scale_2_reaches_the_recompute_the_parquet_file_and_the_evaluat
     from diffusionrl.evaluation import eval_spec
     from diffusionrl.trajectory.store import read_trajectory, write_step
 
-    lp = _loop(tmp_path, "sampling.step_strategy=all", "sampling.guidance_scale_2=2.0")
-    traj, active, _ = lp.backend.score(lp.backend.rollout(0))
-    sde_t = traj.timesteps[traj.sde_mask[0]]
-    assert (sde_t >= 875).any() and (sde_t < 875).any() and traj.guidance == (5.0, 2.0)
-    assert recompute_diff(lp, traj) <= 1e-6
-    assert recompute_diff(lp, dataclasses.replace(traj, guidance_scale_2=None)) > 1e-4
-    back = read_trajectory(write_step(tmp_path / "trajectories", traj, run_id="r", step=1, latents=True))
-    assert back.guidance == (5.0, 2.0) and recompute_diff(lp, back) <= 1e-6
-    assert split_rel_diff(lp, traj, active) <= 1e-5
-    lp.close()
+    with _loop(tmp_path, "sampling.step_strategy=all", "sampling.guidance_scale_2=2.0") as lp:
+        traj, active, _ = lp.backend.score(lp.backend.rollout(0))
+        sde_t = traj.timesteps[traj.sde_mask[0]]
+        assert (sde_t >= 875).any() and (sde_t < 875).any() and traj.guidance == (5.0, 2.0)
+        assert recompute_diff(lp, traj) <= 1e-6
+        assert recompute_diff(lp, dataclasses.replace(traj, guidance_scale_2=None)) > 1e-4
+        back = read_trajectory(write_step(tmp_path / "trajectories", traj, run_id="r", step=1, latents=True))
+        assert back.guidance == (5.0, 2.0) and recompute_diff(lp, back) <= 1e-6
+        assert split_rel_diff(lp, traj, active) <= 1e-5
     cfg = tiny_config("eval.guidance_scale_2=3", preset="tiny-cpu-wan22")
     assert eval_spec(cfg).guidance == (5.0, 3.0)
     assert eval_spec(tiny_config(preset="tiny-cpu-wan22")).guidance == (5.0, None)
@@ -152,11 +149,10 @@ def test_a_lora_on_one_expert_learns_only_from_that_experts_steps(tmp_path, expe
     """LoRA on one expert: its gradient is exactly 0 from SDE steps the other expert took, non-zero from its own."""
     norms = {}
     for window in ("[0, 1]", "[2, 3]"):  # step 0 (t = 1000, high) or step 2 (t < 875, low)
-        lp = _loop(tmp_path / window, f"model.lora_experts={experts}", "sampling.num_sde_steps=1",
-                   f"sampling.window_range={window}", "algorithm.kl_beta=0")
-        assert all(n.split(".")[2] == experts for n in lp.backend.worker.policy.params)  # base_model.model.<expert>
-        norms[window], traj = _grad_norm(lp)
-        lp.close()
+        with _loop(tmp_path / window, f"model.lora_experts={experts}", "sampling.num_sde_steps=1",
+                   f"sampling.window_range={window}", "algorithm.kl_beta=0") as lp:
+            assert all(n.split(".")[2] == experts for n in lp.backend.worker.policy.params)  # base_model.model.<expert>
+            norms[window], traj = _grad_norm(lp)
     own = "[0, 1]" if experts == "high" else "[2, 3]"
     other = "[2, 3]" if experts == "high" else "[0, 1]"
     assert norms[own] > 0 and norms[other] == 0.0
@@ -187,12 +183,11 @@ def test_a_two_expert_lora_registers_and_serves_as_the_local_pipeline_with_it(tm
     base = save_builtin(TINY_WAN22_REF, tmp_path / "base")
     cfg = tiny_config(f"model.name={base}", f"model.lora_experts={experts}", "eval.guidance_scale_2=2",
                       "eval.num_steps=3", preset="tiny-cpu-wan22")
-    lp = _loop(tmp_path / "run", f"model.lora_experts={experts}")
-    policy = lp.backend.worker.policy
-    gen = torch.Generator().manual_seed(1)  # a LoRA that changes the output (peft's init has B = 0)
-    policy.load_lora_state({n: 0.05 * torch.randn(v.shape, generator=gen) for n, v in policy.lora_state().items()})
-    lora, _ = lp.backend.worker.save_lora(tmp_path / "out", {"base_model": str(base), "step": 1})
-    lp.close()
+    with _loop(tmp_path / "run", f"model.lora_experts={experts}") as lp:
+        policy = lp.backend.worker.policy
+        gen = torch.Generator().manual_seed(1)  # a LoRA that changes the output (peft's init has B = 0)
+        policy.load_lora_state({n: 0.05 * torch.randn(v.shape, generator=gen) for n, v in policy.lora_state().items()})
+        lora, _ = lp.backend.worker.save_lora(tmp_path / "out", {"base_model": str(base), "step": 1})
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
     experiment = client.create_experiment("wan22", artifact_location=str(tmp_path / "artifacts"))
@@ -238,12 +233,11 @@ def test_the_cards_of_a_two_expert_lora_load_it_as_written(tmp_path, monkeypatch
 
     from .test_model_card import python_blocks
 
-    lp = _loop(tmp_path / "run", f"model.lora_experts={experts}")
-    policy = lp.backend.worker.policy
-    gen = torch.Generator().manual_seed(1)
-    policy.load_lora_state({n: 0.05 * torch.randn(v.shape, generator=gen) for n, v in policy.lora_state().items()})
-    folder, _ = lp.backend.worker.save_lora(tmp_path / "out", {"base_model": TINY_WAN22_REF, "step": 1})
-    lp.close()
+    with _loop(tmp_path / "run", f"model.lora_experts={experts}") as lp:
+        policy = lp.backend.worker.policy
+        gen = torch.Generator().manual_seed(1)
+        policy.load_lora_state({n: 0.05 * torch.randn(v.shape, generator=gen) for n, v in policy.lora_state().items()})
+        folder, _ = lp.backend.worker.save_lora(tmp_path / "out", {"base_model": TINY_WAN22_REF, "step": 1})
     info = json.loads((folder / "diffusionrl.json").read_text())
     assert info["lora_experts"] == (["high", "low"] if experts == "both" else ["high"])
     registered = diffusers_adapter_dir(folder, tmp_path / "registered", "WanPipeline")
