@@ -3,8 +3,9 @@
 Samples every held-out prompt of the ``tiny-cpu-shapes`` split (or ``--split train``) ``--seeds``
 times with the evaluation's ODE sampling (``eval.num_steps``, ``eval.guidance_scale``; ``--set`` to
 change them), judges each image with ``geneval_mini`` and prints one JSON line: strict success per
-category and overall (over samples, and GenEval's mean over categories), objects and shapeless blobs
-per image, the diversity (``heldout.diversity``), and the seconds it took. ``--grid PATH`` writes a
+category and overall (over samples, and GenEval's mean over categories), the share of prompts with at
+least one success among their seeds (what sharpening each prompt onto its best seed could reach), objects
+and shapeless blobs per image, the diversity (``heldout.diversity``), and the seconds it took. ``--grid PATH`` writes a
 PNG: five prompts a row, each prompt's samples side by side under its text. ``--lora DIR`` judges the
 base with a LoRA a run wrote (``runs/x/lora``) instead: on ``--split train``, how well a run learned the
 prompts it trained on, next to the held-out split's figure.
@@ -78,9 +79,12 @@ def main() -> None:
     success = result.per_sample["success"]
     cats = np.array([m["category"] for m in metadata])
     per = {c: round(float(success[cats == c].mean()), 4) for c in CATEGORIES if (cats == c).any()}
+    # samples are prompt-major (eval_samples): a prompt's k seeds are consecutive
+    any_success = float(np.asarray(success, dtype=bool).reshape(len(rows), k).any(axis=1).mean())
     out = {"split": args.split, "lora": args.lora, "prompts": len(rows), "samples_per_prompt": k,
            "success": per, "overall": round(float(success.mean()), 4),
            "categories_mean": round(float(np.mean(list(per.values()))), 4),
+           "prompts_with_a_success": round(any_success, 4),
            "objects_per_image": round(result.info["objects_per_image"], 3),
            "blobs_per_image": round(result.info["blobs_per_image"], 3),
            "diversity": round(diversity(traj.images, prompts), 4),

@@ -90,6 +90,9 @@ def test_machinery_and_presets_import_no_schema_module():
     ("sampling.guidance_scale=-.inf", "sampling.guidance_scale=-inf must be a finite number"),
     ("reward.weights={jpeg_compressibility: lots}", "reward.weights.jpeg_compressibility must be a number, got 'lots'"),
     ("model.device=gpu", "model.device='gpu' is not a device: use auto, cpu, cuda or cuda:N"),
+    ("train.lr_min_ratio=1.5", "train.lr_min_ratio=1.5 must be in [0, 1]"),
+    ("train.lr_warmup_steps=40", "train.lr_warmup_steps=40 leaves none of the run's train.steps=40 at the full "
+                                 "learning rate; use fewer"),
 ])
 def test_nonsense_numbers_and_devices_are_one_line_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -117,6 +120,7 @@ def test_inf_only_where_a_key_allows_it_and_direct_trees_are_checked_too():
     ("algorithm.dppo_kl_threshold=-0.5", "algorithm.dppo_kl_threshold=-0.5 must be >= 0"),
     ("model.lora_init=true", "model.lora_init must be of type str, got True"),  # YAML's true is no 'true'
     ("train.steps=2.5", "train.steps must be of type int, got 2.5"),
+    ("train.lr_schedule=linear", "train.lr_schedule='linear' is not one of ['constant', 'cosine']"),
 ])
 def test_choices_and_bounds_in_the_type_hints_are_one_line_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:

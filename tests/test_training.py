@@ -75,7 +75,10 @@ def test_a_nan_loss_skips_the_update_and_is_counted(loop, scored):
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    cfg = tiny_config("train.steps=3", "train.checkpoint_every=1", "train.ema=true")
+    """With a cosine learning rate (a step's rate is a function of the step: the resumed run must
+    step at the rates of the uninterrupted one) and an EMA."""
+    cfg = tiny_config("train.steps=3", "train.checkpoint_every=1", "train.ema=true", "train.lr_schedule=cosine",
+                      "train.lr_warmup_steps=1", "train.lr_min_ratio=0.25")
     full, resumed, result = run_interrupted_and_uninterrupted(cfg, tmp_path)
 
     assert result.steps_done == 3
@@ -84,6 +87,11 @@ def test_resume_equals_uninterrupted(tmp_path):
     ma = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     mb = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/reward/raw_mean"] for m in ma] == [m["rollout/reward/raw_mean"] for m in mb]
+    # one warm-up step at the full rate (1 / lr_warmup_steps), then cosine from 1 to 0.25: halfway, then the floor
+    lr = cfg.train.learning_rate
+    expected = [lr, lr * (0.25 + 0.75 * 0.5), lr * 0.25]
+    assert [m["train/lr"] for m in ma] == pytest.approx(expected, rel=1e-6)
+    assert [m["train/lr"] for m in mb] == [m["train/lr"] for m in ma]
     assert (tmp_path / "part" / "lora_ema" / "adapter_model.safetensors").is_file()
     for name in ("lora/README.md", "lora/adapter_config.json", "lora_ema/README.md"):  # the cards: no time, no path
         assert (tmp_path / "full" / name).read_bytes() == (tmp_path / "part" / name).read_bytes(), name
@@ -115,3 +123,27 @@ def test_ocr_recipe_runs_end_to_end_with_the_ray_actor_pool(tmp_path):
     for m in result.metrics:
         assert {"rollout/reward/ocr_mean", "rollout/reward/ocr_failures", "perf/reward_time"} <= set(m)
         assert 0.0 <= m["rollout/reward/ocr_mean"] <= 1.0
+
+
+@pytest.mark.parametrize("schedule, expected", [
+    # warm-up from learning_rate / lr_warmup_steps (no step at rate 0), then constant
+    (("train.lr_warmup_steps=2",), [0.5, 1.0, 1.0, 1.0, 1.0]),
+    # cosine over the steps after warm-up, its last step at the floor
+    (("train.lr_schedule=cosine", "train.lr_warmup_steps=1", "train.lr_min_ratio=0.2"),
+     [1.0, 0.2 + 0.8 * 0.5 * (1 + 2 ** -0.5), 0.6, 0.2 + 0.8 * 0.5 * (1 - 2 ** -0.5), 0.2]),
+    ((), [1.0] * 5),
+])
+def test_the_learning_rate_of_each_step_follows_the_schedule(schedule, expected):
+    from types import SimpleNamespace
+
+    from diffusionrl.training.trainer import Trainer
+
+    cfg = tiny_config("train.steps=5", "train.learning_rate=0.1", *schedule)
+    param = torch.nn.Parameter(torch.zeros(3))
+    policy = SimpleNamespace(parameters=lambda: [param], adapter=SimpleNamespace(device=torch.device("cpu")))
+    trainer = Trainer(cfg, policy)
+    rates = []
+    for step in (4, 0, 1, 2, 3, 4):  # any order: a step's rate depends on the step alone
+        trainer.begin_step(step)
+        rates.append(trainer.lr())
+    assert rates[1:] == pytest.approx([0.1 * f for f in expected], rel=1e-9) and rates[0] == rates[-1]

@@ -116,6 +116,12 @@ class TrainConfig:
     inner_epochs: PositiveInt = option(1, "Passes over each rollout batch (log_prob_old stays the rollout's)")
     minibatches: PositiveInt = option(1, "Optimizer steps per inner epoch (the batch is split into this many)")
     learning_rate: PositiveFloat = option(3e-4, "AdamW learning rate")
+    lr_schedule: Literal["constant", "cosine"] = option(
+        "constant", "Learning rate over the run's steps: constant | cosine (decays from learning_rate to "
+        "learning_rate * lr_min_ratio at the last of train.steps; a resume that changes train.steps spreads the rest "
+        "of the decay over the new count); both after lr_warmup_steps of linear warm-up")
+    lr_warmup_steps: NonNegativeInt = option(0, "Steps of linear warm-up from learning_rate / lr_warmup_steps")
+    lr_min_ratio: NonNegativeFloat = option(0.1, "cosine: the last step's learning rate as a share of learning_rate")
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.999, "AdamW beta2")
     weight_decay: float = option(1e-4, "AdamW weight decay")
@@ -164,6 +170,11 @@ class TrainConfig:
         if not 0 < self.max_skipped_fraction <= 1:
             raise ConfigError(f"train.max_skipped_fraction={self.max_skipped_fraction} must be in (0, 1] "
                               "(1 never stops)")
+        if self.lr_min_ratio > 1:
+            raise ConfigError(f"train.lr_min_ratio={self.lr_min_ratio} must be in [0, 1]")
+        if self.lr_warmup_steps >= self.steps:
+            raise ConfigError(f"train.lr_warmup_steps={self.lr_warmup_steps} leaves none of the run's "
+                              f"train.steps={self.steps} at the full learning rate; use fewer")
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
         batch = self.prompts_per_step * self.group_size

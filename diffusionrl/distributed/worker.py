@@ -234,6 +234,7 @@ class TrainerRank:
         """Every optimizer step of ``plan`` on this rank's ``share``; metrics reduced over ranks."""
         if self.cfg.train.offload_optimizer:
             offload_optimizer_state(self.trainer.optimizer, self.device)
+        self.trainer.begin_step(step)
         stats = UpdateStats()
         probe = {"open": True}
         for entry in plan:

@@ -61,6 +61,7 @@ class LocalPolicyWorker:
         return self.engine.generate(prompts, group_ids, seeds, spec, mask, metadata)
 
     def train_step(self, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
+        self.trainer.begin_step(step)
         return self.objective.train_step(self.trainer, traj, active, step)
 
     def push_weights(self, version: int) -> dict[str, float]:

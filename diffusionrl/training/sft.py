@@ -178,6 +178,7 @@ class SFTBackend:
         t0 = time.perf_counter()
         rows, self.cursor = self.sampler.batch(step)
         batch = self.encode(rows)
+        self.worker.trainer.begin_step(step)
         metrics = self.worker.objective.train_step(self.worker.trainer, batch, step)
         metrics.update({"perf/step_time": time.perf_counter() - t0, "step": float(step + 1),
                         "policy_version": float(step + 1)})

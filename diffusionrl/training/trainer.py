@@ -69,6 +69,16 @@ class Trainer:
         device_type = policy.adapter.device.type
         self.scaler = torch.amp.GradScaler(device_type, enabled=tc.mixed_precision == "fp16")
         self.ema = EMA(policy.lora_state(), tc.ema_decay) if tc.ema else None
+        self.schedule = lr_schedule(self.optimizer, tc)
+
+    def begin_step(self, step: int) -> None:
+        """Set the learning rate of run step ``step`` (0-based, ``train.lr_schedule``): the schedule's
+        value after ``step + 1`` steps, so warm-up starts at ``learning_rate / lr_warmup_steps`` (not at 0)
+        and a cosine run's last step trains at ``learning_rate * lr_min_ratio``. It is a function of the
+        step alone (and of ``train.steps``), so a resumed run steps at the rates of an uninterrupted one."""
+        lr = self.cfg.train.learning_rate * self.schedule.lr_lambdas[0](step + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def accumulate(self, units: list[Unit], stats: UpdateStats, prefix: str = "") -> bool:
         """Backward ``sum(loss) / total_count`` of every unit into ``.grad`` (no optimizer step).
@@ -128,6 +138,19 @@ class Trainer:
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, tc) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' schedule for ``train.lr_schedule`` over ``train.steps`` (constant, with or without
+    warm-up; cosine to ``lr_min_ratio``). Only its per-step factors are used (``Trainer.begin_step``):
+    it is never stepped, so it holds no state a checkpoint must carry."""
+    from transformers import get_scheduler
+
+    if tc.lr_schedule == "cosine":
+        return get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=tc.lr_warmup_steps,
+                             num_training_steps=tc.steps, scheduler_specific_kwargs={"min_lr_rate": tc.lr_min_ratio})
+    name = "constant_with_warmup" if tc.lr_warmup_steps else "constant"
+    return get_scheduler(name, optimizer, num_warmup_steps=tc.lr_warmup_steps or None)
 
 
 def minibatch_schedule(traj: Trajectory, train_cfg, rng: np.random.Generator) -> Iterator[tuple[int, list[slice]]]:
