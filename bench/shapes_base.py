@@ -4,10 +4,11 @@ Samples every held-out prompt of the ``tiny-cpu-shapes`` split (or ``--split tra
 times with the evaluation's ODE sampling (``eval.num_steps``, ``eval.guidance_scale``; ``--set`` to
 change them), judges each image with ``geneval_mini`` and prints one JSON line: strict success per
 category and overall (over samples, and GenEval's mean over categories), the share of prompts with at
-least one success among their seeds (what sharpening each prompt onto its best seed could reach), objects
-and shapeless blobs per image, the diversity (``heldout.diversity``), and the seconds it took. ``--grid PATH`` writes a
-PNG: five prompts a row, each prompt's samples side by side under its text. ``--lora DIR`` judges the
-base with a LoRA a run wrote (``runs/x/lora``) instead: on ``--split train``, how well a run learned the
+least one success among their seeds (what sharpening each prompt onto its best seed could reach),
+objects and shapeless blobs per image, the diversity (``heldout.diversity``), and the seconds it took.
+``--grid PATH`` writes a PNG: five prompts a row, each prompt's samples side by side under its text.
+``--lora DIR`` judges the base with a LoRA a run wrote instead (``runs/x/lora``, or one of its
+checkpoints: ``runs/x/checkpoints/step-000100``): on ``--split train``, how well a run learned the
 prompts it trained on, next to the held-out split's figure.
 
     python bench/shapes_base.py [--seeds 4] [--split test] [--grid docs/images/shapes-base.png]
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import _common  # sets sys.path and offline env
 import numpy as np
@@ -60,13 +62,23 @@ def main() -> None:
     ap.add_argument("--split", choices=("test", "train"), default="test")
     ap.add_argument("--grid", default=None, help="write a PNG grid of the samples here")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--lora", default=None, help="a LoRA folder a run on builtin:tiny-sd3-shapes wrote")
+    ap.add_argument("--lora", default=None, help="a LoRA folder a run on builtin:tiny-sd3-shapes wrote, or one of "
+                    "its checkpoints (runs/x/checkpoints/step-NNNNNN)")
     args = ap.parse_args()
     cfg = load_config("tiny-cpu-shapes", overrides=args.overrides)
     rows = getattr(load_prompts(cfg.data), args.split)
     adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
     transformer = adapter.transformer
-    if args.lora:
+    if args.lora and (Path(args.lora) / "lora.safetensors").is_file():  # a run's checkpoint (step-NNNNNN/)
+        from safetensors.torch import load_file
+
+        from diffusionrl.training.policy import LoraPolicy
+
+        run_cfg = load_config(file=Path(args.lora).parent.parent / "config.json")
+        policy = LoraPolicy(adapter, run_cfg.model, seed=run_cfg.train.seed)
+        policy.load_lora_state(load_file(str(Path(args.lora) / "lora.safetensors")))
+        transformer = policy.model
+    elif args.lora:
         from peft import PeftModel
 
         transformer = PeftModel.from_pretrained(transformer, args.lora).eval()
