@@ -1,7 +1,7 @@
-"""FLUX.1 through the model-family seam: builtin:tiny-flux, the family read from model_index.json,
-packing, the resolution-dependent schedule, parity with the stock FluxPipeline and DiffusionNFT end to
-end. The exactness invariants (docs/algorithms.md section 11) on a Flow-GRPO loop without a CFG pass:
-``test_family_exactness.py``."""
+"""FLUX.1 through the model-family seam: packing, the resolution-dependent schedule, parity with the stock
+FluxPipeline and DiffusionNFT end to end. The exactness invariants (docs/algorithms.md section 11) on a
+Flow-GRPO loop without a CFG pass: ``test_family_exactness.py``; the builtin loaded by the stock pipeline:
+``test_family_builtins.py``."""
 
 import json
 
@@ -9,13 +9,10 @@ import pytest
 import torch
 
 from diffusionrl.models import (
-    TINY_FLUX_REF,
     FluxAdapter,
     SD3Adapter,
     adapter_class,
     build_tiny_flux_pipeline,
-    module_digest,
-    save_builtin,
 )
 from diffusionrl.models.families import UnknownModelFamily
 from diffusionrl.models.flux import pack, unpack
@@ -32,20 +29,6 @@ COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 @pytest.fixture(scope="module")
 def flux():
     return FluxAdapter(build_tiny_flux_pipeline(), device="cpu")
-
-
-def test_same_weights_on_every_build_and_the_stock_pipeline_loads_the_saved_folder(flux, tmp_path):
-    from diffusers import FluxPipeline
-
-    again = build_tiny_flux_pipeline()
-    assert module_digest({n: getattr(again, n) for n in COMPONENTS}) == flux.digest()
-    save_builtin(TINY_FLUX_REF, tmp_path / "tiny")
-    pipe = FluxPipeline.from_pretrained(tmp_path / "tiny")
-    out = pipe(prompt="a red cat", num_inference_steps=2, height=64, width=64, max_sequence_length=16,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3)
-    assert FluxAdapter(pipe).digest() == flux.digest()
-    assert adapter_class(str(tmp_path / "tiny")) is FluxAdapter  # read from model_index.json
 
 
 def test_the_family_is_read_from_model_index_json(tmp_path):

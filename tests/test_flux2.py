@@ -1,23 +1,18 @@
-"""FLUX.2 through the model-family seam: builtin:tiny-flux2 (FLUX.2 [dev], loadable by the stock
-Flux2Pipeline) and builtin:tiny-flux2-klein (FLUX.2 [klein] base, Flux2KleinPipeline, a CFG pass): ODE
-parity with the stock pipelines (distilled guidance or CFG, the empirical mu schedule), the VAE round
-trip through the batch-norm statistics and the patchify, the SGLang refusal. The exactness invariants
-(docs/algorithms.md section 11) of both presets and their LoRA targets: ``test_family_exactness.py``."""
+"""FLUX.2 through the model-family seam: builtin:tiny-flux2 (FLUX.2 [dev]) and builtin:tiny-flux2-klein (FLUX.2
+[klein] base, a CFG pass): ODE parity with the stock pipelines (distilled guidance or CFG, the empirical mu
+schedule), the VAE round trip through the batch-norm statistics and the patchify, the SGLang refusal. The
+exactness invariants (docs/algorithms.md section 11) of both presets and their LoRA targets:
+``test_family_exactness.py``; both builtins loaded by their stock pipelines: ``test_family_builtins.py``."""
 
 import numpy as np
 import pytest
 import torch
 
 from diffusionrl.models import (
-    TINY_FLUX2_KLEIN_REF,
-    TINY_FLUX2_REF,
     Flux2Adapter,
     Flux2KleinAdapter,
-    adapter_class,
     build_tiny_flux2_klein_pipeline,
     build_tiny_flux2_pipeline,
-    module_digest,
-    save_builtin,
 )
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
@@ -30,20 +25,6 @@ PROMPTS = ["a red cat", "a dog on the big beach"]
 @pytest.fixture(scope="module")
 def flux2():
     return Flux2Adapter(build_tiny_flux2_pipeline(), device="cpu")
-
-
-def test_same_weights_on_every_build_and_the_stock_pipeline_loads_the_saved_folder(flux2, tmp_path):
-    from diffusers import Flux2Pipeline
-
-    again = build_tiny_flux2_pipeline()
-    assert module_digest({n: getattr(again, n) for n in flux2.components}) == flux2.digest()
-    save_builtin(TINY_FLUX2_REF, tmp_path / "tiny")
-    pipe = Flux2Pipeline.from_pretrained(tmp_path / "tiny")
-    out = pipe(prompt="a red cat", guidance_scale=4.0, num_inference_steps=2, height=32, width=32,
-               generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=64)
-    assert out.images.shape == (1, 32, 32, 3)
-    assert Flux2Adapter(pipe).digest() == flux2.digest()
-    assert adapter_class(str(tmp_path / "tiny")) is Flux2Adapter
 
 
 def test_the_prompt_survives_the_templated_system_message(flux2):
@@ -95,16 +76,6 @@ def test_the_sglang_engine_refuses_flux2_naming_why(family):
 @pytest.fixture(scope="module")
 def klein():
     return Flux2KleinAdapter(build_tiny_flux2_klein_pipeline(), device="cpu")
-
-
-def test_klein_is_its_own_family_and_the_stock_pipeline_loads_it(klein, tmp_path):
-    from diffusers import Flux2KleinPipeline
-
-    save_builtin(TINY_FLUX2_KLEIN_REF, tmp_path / "klein")
-    pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "klein")
-    assert adapter_class(str(tmp_path / "klein")) is Flux2KleinAdapter and pipe.config.is_distilled is False
-    assert Flux2KleinAdapter(pipe).digest() == klein.digest()
-    assert not klein.transformer.config.guidance_embeds
 
 
 @pytest.mark.parametrize("guidance", [4.0, 1.0])

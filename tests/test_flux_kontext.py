@@ -1,7 +1,8 @@
-"""FLUX.1 Kontext (image editing) through the model-family seam: builtin:tiny-flux-kontext, parity with
-the stock FluxKontextPipeline on the same input image, the preset's training run, trajectories that trace
-each sample back to its input image, the logged LoRA serving edits, NFT on edits. The exactness invariants
-(docs/algorithms.md section 11) on rows that carry an input image: ``test_family_exactness.py``."""
+"""FLUX.1 Kontext (image editing) through the model-family seam: builtin:tiny-flux-kontext, parity with the stock
+FluxKontextPipeline on the same input image, the preset's training run, trajectories that trace each sample
+back to its input image, the logged LoRA serving edits, NFT on edits. The exactness invariants
+(docs/algorithms.md section 11) on rows that carry an input image: ``test_family_exactness.py``; the builtin
+loaded by the stock pipeline: ``test_family_builtins.py``."""
 
 import hashlib
 import io
@@ -16,7 +17,6 @@ from diffusionrl.models import (
     TINY_FLUX_KONTEXT_REF,
     FluxAdapter,
     FluxKontextAdapter,
-    adapter_class,
     build_tiny_flux_kontext_pipeline,
     build_tiny_flux_pipeline,
     save_builtin,
@@ -35,17 +35,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def kontext():
     return FluxKontextAdapter(build_tiny_flux_kontext_pipeline(), device="cpu")
-
-
-def test_the_builtin_and_a_saved_folder_are_kontext_and_the_stock_pipeline_loads_it(kontext, tmp_path):
-    from diffusers import FluxKontextPipeline
-
-    assert adapter_class(TINY_FLUX_KONTEXT_REF) is FluxKontextAdapter and kontext.editing
-    assert not FluxAdapter.editing
-    save_builtin(TINY_FLUX_KONTEXT_REF, tmp_path / "tiny")
-    assert adapter_class(str(tmp_path / "tiny")) is FluxKontextAdapter  # read from model_index.json
-    pipe = FluxKontextPipeline.from_pretrained(tmp_path / "tiny")
-    assert FluxKontextAdapter(pipe).digest() == kontext.digest()
 
 
 def meta_of(*images: Image.Image) -> list[dict]:

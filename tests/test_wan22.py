@@ -1,9 +1,10 @@
-"""Wan2.2's two experts (``WanPipeline`` with ``transformer_2`` and ``boundary_ratio``) through
-``WanExperts``: builtin:tiny-wan22 loadable by the stock pipeline, ODE parity with it (one guidance
-scale, or ``guidance_scale_2`` on the low-noise expert's steps), each step on the expert the pipeline
-picks, LoRA on both experts or one, ``guidance_scale_2`` through the recompute, the step file and the
-evaluation, and a two-expert LoRA registered in MLflow and served. The exactness invariants
-(docs/algorithms.md section 11) with SDE steps on both sides of the boundary: ``test_family_exactness.py``."""
+"""Wan2.2's two experts (``WanPipeline`` with ``transformer_2`` and ``boundary_ratio``) through ``WanExperts``:
+ODE parity with the stock pipeline (one guidance scale, or ``guidance_scale_2`` on the low-noise expert's
+steps), each step on the expert the pipeline picks, LoRA on both experts or one, ``guidance_scale_2`` through
+the recompute, the step file and the evaluation, and a two-expert LoRA registered in MLflow and served. The
+exactness invariants (docs/algorithms.md section 11) with SDE steps on both sides of the boundary:
+``test_family_exactness.py``; builtin:tiny-wan22 loaded by the stock pipeline with both experts:
+``test_family_builtins.py``."""
 
 import dataclasses
 import io
@@ -19,7 +20,6 @@ from diffusionrl.models import (
     TINY_WAN22_REF,
     WanAdapter,
     WanExperts,
-    adapter_class,
     build_tiny_wan22_pipeline,
     build_tiny_wan_pipeline,
     save_builtin,
@@ -42,18 +42,6 @@ SPEC = SamplingSpec(resolution=32, num_steps=6, guidance_scale=5.0, sde_type="od
 @pytest.fixture(scope="module")
 def wan22():
     return WanAdapter(build_tiny_wan22_pipeline(), device="cpu")
-
-
-def test_the_stock_pipeline_loads_the_saved_folder_with_both_experts(wan22, tmp_path):
-    from diffusers import WanPipeline
-
-    save_builtin(TINY_WAN22_REF, tmp_path / "tiny")
-    pipe = WanPipeline.from_pretrained(tmp_path / "tiny")
-    assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2 is not None
-    assert adapter_class(str(tmp_path / "tiny")) is WanAdapter
-    loaded = WanAdapter(pipe)
-    assert isinstance(loaded.transformer, WanExperts) and loaded.experts.boundary == 875.0
-    assert loaded.digest() == wan22.digest() != WanAdapter(build_tiny_wan_pipeline()).digest()  # transformer_2 counts
 
 
 def test_each_forward_runs_the_expert_the_pipeline_picks(wan22):
