@@ -127,6 +127,9 @@ def evaluate_lora(
                 table[column] = np.asarray(parts[name].per_sample[key], dtype=float)
                 prefix = f"eval/{'base_' if side == 'base' else ''}{name}_{key}"
                 summary[prefix] = float(table[column].mean())
+                if key == "success":  # a row (prompt and input) any of whose seeds succeeds: pass@seeds_per_prompt
+                    solved = table[column].groupby(np.asarray(groups)).max() > 0
+                    summary[f"{prefix}/prompts_with_a_success"] = float(solved.mean())
                 if "category" in table:
                     per_category = table.groupby("category")[column].mean()
                     for category, value in per_category.items():

@@ -232,6 +232,11 @@ def build_report(
             if f"{key}/category_mean" in eval_summary:  # GenEval's overall: each category counts once
                 line += (f"; GenEval's overall (mean of the categories) {eval_summary[f'{key}/category_mean']:.2f} "
                          f"&rarr; {eval_summary.get(f'{tuned}/category_mean', float('nan')):.2f}")
+            if f"{key}/prompts_with_a_success" in eval_summary:
+                seeds = int(eval_summary.get("eval/seeds_per_prompt", 0))
+                line += (f"; prompts with at least one success among their {seeds} seeds "
+                         f"{eval_summary[f'{key}/prompts_with_a_success']:.2f} &rarr; "
+                         f"{eval_summary.get(f'{tuned}/prompts_with_a_success', float('nan')):.2f}")
             parts.append(line + "</p>")
         if "eval/diversity" in eval_summary:
             parts.append(f"<p><b>Diversity</b> (mean distance between images of different prompts): "

@@ -163,3 +163,9 @@ def test_report_shows_the_per_category_table_and_prompts_side_by_side():
     page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=None, grid=grid)
     assert "Accuracy per category" in page and "three squares" in page
     assert page.count("<img") == 6 and page.count("&#10003;") == 3  # base + tuned per prompt, 3 successes
+    summary = {"eval/base_geneval_mini_success": 0.15, "eval/geneval_mini_success": 0.23, "eval/seeds_per_prompt": 8,
+               "eval/base_geneval_mini_success/prompts_with_a_success": 0.48,
+               "eval/geneval_mini_success/prompts_with_a_success": 0.96}
+    page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=summary, grid=grid)
+    assert "0.15 &rarr; 0.23 over samples" in page
+    assert "prompts with at least one success among their 8 seeds 0.48 &rarr; 0.96" in page

@@ -32,6 +32,10 @@ def test_one_step_on_the_shapes_world_and_a_per_category_evaluation(tmp_path):
     per = [ev.summary[f"eval/geneval_mini_success/{c}"] for c in CATEGORIES]
     assert ev.summary["eval/geneval_mini_success/category_mean"] == pytest.approx(sum(per) / len(per))
     assert (ev.table["tuned_geneval_mini"] >= ev.table["tuned_geneval_mini_success"]).all()  # partial credit
+    for side in ("base", "tuned"):  # a prompt counts when any of its k seeds succeeds
+        solved = ev.table.groupby("prompt")[f"{side}_geneval_mini_success"].max().mean()
+        key = f"eval/{'base_' if side == 'base' else ''}geneval_mini_success/prompts_with_a_success"
+        assert ev.summary[key] == pytest.approx(solved)
     for side in ("", "base_"):
         per_category = [ev.summary[f"eval/{side}geneval_mini_success/{c}"] for c in CATEGORIES]
         assert sum(per_category) / len(CATEGORIES) == pytest.approx(ev.summary[f"eval/{side}geneval_mini_success"])
