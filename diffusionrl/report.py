@@ -224,7 +224,8 @@ def build_report(
             f"win rate {eval_summary.get('eval/win_rate', float('nan')):.2f} over "
             f"{int(eval_summary.get('eval/num_prompts', 0))} prompts.</p>"
         )
-        success = sorted(k for k in eval_summary if k.startswith("eval/base_") and k.endswith("_success"))
+        success = sorted(k for k in eval_summary  # eval/base_<reward>_success itself, not its .../<figure> keys
+                         if k.startswith("eval/base_") and k.endswith("_success") and "/" not in k[len("eval/"):])
         for key in success:  # e.g. geneval_mini's strict success
             tuned = "eval/" + key[len("eval/base_"):]
             line = (f"<p><b>Strict success ({html.escape(key[len('eval/base_'):-len('_success')])}):</b> "

@@ -169,3 +169,4 @@ def test_report_shows_the_per_category_table_and_prompts_side_by_side():
     page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=summary, grid=grid)
     assert "0.15 &rarr; 0.23 over samples" in page
     assert "prompts with at least one success among their 8 seeds 0.48 &rarr; 0.96" in page
+    assert page.count("Strict success") == 1  # the .../prompts_with_a_success keys are figures of that line
