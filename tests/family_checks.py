@@ -1,7 +1,7 @@
 """The exactness checks every model family passes (docs/algorithms.md section 11), shared by
 ``test_family_exactness.py`` (over a loop of each family's tiny preset), ``test_same_latent.py`` and the
-objective tests; the registered model's served image against the evaluation's (``served_vs_evaluated``); the
-FLUX.1 Kontext editing rows (``scene``, ``write_kontext_edits``)."""
+objective tests; the registered model's served image against the evaluation's (``served_vs_evaluated``); input images to
+edit and their rows (``scene``, ``png``, ``meta_of``, ``write_kontext_edits``)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,14 @@ def png(im: Image.Image) -> bytes:
     buf = io.BytesIO()
     im.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def meta_of(*images: Image.Image) -> list[dict]:
+    """Each image as an editing row's metadata (its PNG bytes resolved as a row's ``image`` is), the prompt left out."""
+    from diffusionrl.data.images import resolve_row_image
+
+    return [{k: v for k, v in resolve_row_image({"prompt": "x", "image": png(im)}, "test").items() if k != "prompt"}
+            for im in images]
 
 
 def write_kontext_edits(folder: Path) -> Path:

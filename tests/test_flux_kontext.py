@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusionrl.data.images import image_bytes, resolve_row_image
+from diffusionrl.data.images import image_bytes
 from diffusionrl.models import (
     TINY_FLUX_KONTEXT_REF,
     FluxAdapter,
@@ -28,18 +28,14 @@ from diffusionrl.train import build_loop
 from diffusionrl.trajectory import TrajectoryWriter, list_step_files, read_trajectory
 
 from .conftest import tiny_config
-from .family_checks import png, scene, served_vs_evaluated, write_kontext_edits
+from .family_checks import meta_of, png, scene, served_vs_evaluated, write_kontext_edits
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(scope="module")
 def kontext():
     return FluxKontextAdapter(build_tiny_flux_kontext_pipeline(), device="cpu")
-
-
-def meta_of(*images: Image.Image) -> list[dict]:
-    return [{k: v for k, v in resolve_row_image({"prompt": "x", "image": png(im)}, "test").items() if k != "prompt"}
-            for im in images]
 
 
 @pytest.mark.parametrize("resolution", [32, 64])

@@ -11,9 +11,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
-from diffusionrl.data.images import resolve_row_image
 from diffusionrl.models import (
     TINY_QWEN_IMAGE_EDIT_REF,
     QwenImageAdapter,
@@ -26,28 +25,11 @@ from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 
 from .conftest import tiny_config
-from .family_checks import nft_one_step, served_vs_evaluated
+from .family_checks import meta_of, nft_one_step, scene, served_vs_evaluated
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PLUS = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"
-
-
-def scene(color: tuple, shape: str, size: int = 32) -> Image.Image:
-    im = Image.new("RGB", (size, size), (245, 245, 240))
-    box = (size // 4, size // 4, 3 * size // 4, 3 * size // 4)
-    (ImageDraw.Draw(im).ellipse if shape == "circle" else ImageDraw.Draw(im).rectangle)(box, fill=color)
-    return im
-
-
-def meta_of(*images: Image.Image) -> list[dict]:
-    def png(im):
-        buf = io.BytesIO()
-        im.save(buf, format="PNG")
-        return buf.getvalue()
-
-    return [{k: v for k, v in resolve_row_image({"prompt": "x", "image": png(im)}, "test").items() if k != "prompt"}
-            for im in images]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +54,7 @@ def test_the_builtin_is_the_stock_edit_pipeline_with_a_processor_that_needs_no_t
     assert adapter_class(str(tmp_path / "tiny")) is QwenImageEditAdapter  # read from model_index.json
     loaded = QwenImageEditAdapter(QwenImageEditPlusPipeline.from_pretrained(tmp_path / "tiny"))
     assert loaded.digest() == edit.digest() and loaded.pipe.processor.video_processor is None
-    image = np.asarray(scene((220, 30, 30), "square"))
+    image = np.asarray(scene("red", "square"))
     ours, theirs = (a.encode_conditioning(["make it blue"], " ", 64, [image], 32) for a in (edit, loaded))
     assert torch.equal(ours.prompt_embeds, theirs.prompt_embeds)
     assert torch.equal(ours.image_latents, theirs.image_latents)
@@ -89,7 +71,7 @@ def test_ode_editing_equals_the_stock_pipeline(edit, guidance_scale, monkeypatch
     spec = SamplingSpec(resolution=32, num_steps=3, guidance_scale=guidance_scale, sde_type="ode",
                         max_sequence_length=64, negative_prompt=" ")
     prompts, seeds = ["make the square blue", "make it a circle"], [3, 4]
-    sources = [scene((220, 30, 30), "square"), scene((40, 60, 220), "circle")]
+    sources = [scene("red", "square"), scene("blue", "circle")]
     engine = LocalRolloutEngine(edit, edit.transformer, micro_batch_size=2)
     traj = engine.generate(prompts, [0, 1], seeds, spec, metadata=meta_of(*sources))
     shape = edit.latent_shape(32)
@@ -111,7 +93,7 @@ def test_ode_editing_equals_the_stock_pipeline(edit, guidance_scale, monkeypatch
 
 
 def test_the_image_enters_the_text_encoding_and_each_pair_is_encoded_alone(edit):
-    a, b = np.asarray(scene((220, 30, 30), "square")), np.asarray(scene((40, 60, 220), "circle"))
+    a, b = np.asarray(scene("red", "square")), np.asarray(scene("blue", "circle"))
     both = edit.encode_conditioning(["make it blue", "make it blue", "a longer instruction to move it left"], " ",
                                     64, [a, b, a], 32)
     alone = edit.encode_conditioning(["make it blue"], " ", 64, [b], 32)
@@ -244,7 +226,7 @@ def test_the_logged_lora_serves_the_evaluations_edit_and_its_card_runs(tmp_path,
     model = mlflow.pyfunc.load_model(info.model_uri)
     params = {"num_inference_steps": 2}
     other = io.BytesIO()
-    scene((40, 60, 220), "circle").save(other, format="PNG")
+    scene("blue", "circle").save(other, format="PNG")
     pixels = []
     for request in (pd.DataFrame({"prompt": ["make it blue"], "image": [source]}),
                     {"prompt": "make it blue", "image": base64.b64encode(source).decode()},
