@@ -27,7 +27,7 @@ import numpy as np
 from diffusionrl.config import load_config
 from diffusionrl.data import load_prompts
 from diffusionrl.data.shapes import CATEGORIES
-from diffusionrl.evaluation import eval_samples, eval_spec
+from diffusionrl.evaluation import eval_samples, eval_spec, prompts_with_a_success
 from diffusionrl.heldout import diversity
 from diffusionrl.models import load_adapter
 from diffusionrl.rewards.geneval_mini import GenEvalMini
@@ -91,12 +91,10 @@ def main() -> None:
     success = result.per_sample["success"]
     cats = np.array([m["category"] for m in metadata])
     per = {c: round(float(success[cats == c].mean()), 4) for c in CATEGORIES if (cats == c).any()}
-    # samples are prompt-major (eval_samples): a prompt's k seeds are consecutive
-    any_success = float(np.asarray(success, dtype=bool).reshape(len(rows), k).any(axis=1).mean())
     out = {"split": args.split, "lora": args.lora, "prompts": len(rows), "samples_per_prompt": k,
            "success": per, "overall": round(float(success.mean()), 4),
            "categories_mean": round(float(np.mean(list(per.values()))), 4),
-           "prompts_with_a_success": round(any_success, 4),
+           "prompts_with_a_success": round(prompts_with_a_success(success, groups), 4),
            "objects_per_image": round(result.info["objects_per_image"], 3),
            "blobs_per_image": round(result.info["blobs_per_image"], 3),
            "diversity": round(diversity(traj.images, prompts), 4),

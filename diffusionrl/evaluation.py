@@ -75,6 +75,12 @@ def eval_samples(rows: list[dict], k: int, seed: int) -> tuple[list[str], list[i
     return prompts, groups, seeds, metadata
 
 
+def prompts_with_a_success(success, groups) -> float:
+    """The share of rows (``groups``: each sample's row, as ``eval_samples`` gives them) any of whose samples
+    succeeds: pass@k over a row's k seeds."""
+    return float(pd.Series(np.asarray(success, dtype=float)).groupby(np.asarray(groups)).max().gt(0).mean())
+
+
 def evaluate_lora(
     cfg: Config, test_rows: list[dict], lora_dir: str | Path, model_path: str | None = None
 ) -> EvalResult:
@@ -128,8 +134,7 @@ def evaluate_lora(
                 prefix = f"eval/{'base_' if side == 'base' else ''}{name}_{key}"
                 summary[prefix] = float(table[column].mean())
                 if key == "success":  # a row (prompt and input) any of whose seeds succeeds: pass@seeds_per_prompt
-                    solved = table[column].groupby(np.asarray(groups)).max() > 0
-                    summary[f"{prefix}/prompts_with_a_success"] = float(solved.mean())
+                    summary[f"{prefix}/prompts_with_a_success"] = prompts_with_a_success(table[column], groups)
                 if "category" in table:
                     per_category = table.groupby("category")[column].mean()
                     for category, value in per_category.items():
