@@ -16,12 +16,13 @@
 
 A family is one entry of ``FAMILIES`` (its tiny preset; the adapter and the stock pipeline come
 from the preset's model reference). An editing family (``adapter.editing``: FLUX.1 Kontext,
-Qwen-Image-Edit) edits the input images of its preset's prompt rows (``builtin:shape-edits``: an
+both Qwen-Image-Edit pipelines) edits the input images of its preset's prompt rows (``builtin:shape-edits``: an
 instruction and its source scene): our engine gets them as the rows' metadata, the stock pipeline as
 ``image=``. Kontext's takes a list, one per prompt, at the sample's area without its preferred-resolution
 resize (``max_area``, ``_auto_resize=False``), as ``tests/test_flux_kontext.py`` calls it;
-``QwenImageEditPlusPipeline`` takes one prompt a call, so it runs one edit a call with its VAE image area set
-to the sampling resolution's (the size the adapter encodes the input at), and its ``stock_images_per_s`` is
+``QwenImageEditPlusPipeline`` and ``QwenImageEditPipeline`` (Qwen-Image-Edit's first release) take one prompt a
+call, so they run one edit a call with their input image area set to the sampling resolution's (the size the
+adapter encodes the input at; ``serving/request_limits.area_bound_call``), and their ``stock_images_per_s`` is
 that one-at-a-time rate.
 
 A family with ``VARIANTS`` prints a parity row per variant after its own row (``variant``: its preset with the
@@ -31,7 +32,8 @@ the high-noise expert's steps and 3 on the low-noise expert's against ``WanPipel
 guidance_scale_2=3.0)``.
 
     python bench/families.py [--families sd3,flux,qwen-image,wan,zimage,flux2,flux2-klein,wan22,flux-kontext,
-                                         qwen-image-edit] [--budget-s 600] [--repeats 5] [--threads 1] [--skip-learning]
+                                         qwen-image-edit,qwen-image-edit-v1] [--budget-s 600] [--repeats 5]
+                             [--threads 1] [--skip-learning]
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ from diffusionrl.training.trainer import UpdateStats
 FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-qwen-image", "wan": "tiny-cpu-wan",
             "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "flux2-klein": "tiny-cpu-flux2-klein",
             "wan22": "tiny-cpu-wan22", "flux-kontext": "tiny-cpu-flux-kontext",
-            "qwen-image-edit": "tiny-cpu-qwen-image-edit"}
+            "qwen-image-edit": "tiny-cpu-qwen-image-edit", "qwen-image-edit-v1": "tiny-cpu-qwen-image-edit-v1"}
+# Families whose stock pipeline edits one prompt a call at a fixed input area (stock_one_by_one)
+ONE_BY_ONE = ("qwen-image-edit", "qwen-image-edit-v1")
 # family -> its parity variants: (name, overrides of its preset, the stock pipeline's own arguments for them)
 VARIANTS = {"wan22": [("guidance_scale_2", ["sampling.guidance_scale=4.0", "sampling.guidance_scale_2=3.0"],
                        ("guidance_scale_2",))]}
@@ -88,7 +92,7 @@ def stock(adapter, spec: SamplingSpec, metadata: list[dict] | None = None, **kwa
     the rows' input images for an editing family: its ``.frames`` (video) or ``.images``."""
     from PIL import Image
 
-    if adapter.family == "qwen-image-edit":
+    if adapter.family in ONE_BY_ONE:
         return stock_one_by_one(adapter, spec, metadata, **kwargs)
     frames = {"num_frames": spec.num_frames} if adapter.video else {}
     if spec.guidance_scale_2 is not None:  # Wan2.2: the low-noise expert's CFG scale
@@ -106,15 +110,15 @@ def stock(adapter, spec: SamplingSpec, metadata: list[dict] | None = None, **kwa
 
 def stock_one_by_one(adapter, spec: SamplingSpec, metadata: list[dict], prompt: list[str], latents=None,
                      generator=None, output_type: str = "latent"):
-    """``QwenImageEditPlusPipeline``, one edit a call (it takes one prompt), its outputs stacked; its VAE
-    image area is the sampling resolution's, as the adapter encodes the input image."""
+    """A Qwen-Image-Edit pipeline, one edit a call (it takes one prompt), its outputs stacked; its input image
+    area is the sampling resolution's, as the adapter encodes the input image."""
     from PIL import Image
 
     from diffusionrl.serving.request_limits import area_bound_call
 
     outs = []
     guidance = adapter.pipeline_kwargs(spec.guidance_scale, spec.negative_prompt)
-    call = area_bound_call(adapter.pipe, spec.resolution ** 2)  # the stock __call__, VAE_IMAGE_SIZE at this area
+    call = area_bound_call(adapter.pipe, spec.resolution ** 2)  # the stock __call__, its input area this one
     for i, (text, image) in enumerate(zip(prompt, row_images(metadata))):
         one = {} if latents is None else {"latents": latents[i:i + 1]}
         one.update({} if generator is None else {"generator": generator[i]})

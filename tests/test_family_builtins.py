@@ -9,8 +9,8 @@ family has (Kontext edits, FLUX.2 klein is not guidance-distilled, Wan2.2 loads 
 What is family-specific beyond this (ODE parity with the stock pipeline, encoding, serving, refusals)
 stays in the family's own test file; the exactness invariants are ``test_family_exactness.py``'s.
 ``builtin:tiny-sd3-shapes`` and ``builtin:tiny-flux-kontext-shapes`` (shipped weights) are tested with
-their worlds; ``builtin:tiny-qwen-image-edit`` in ``test_qwen_image_edit.py`` (its processor without
-torchvision)."""
+their worlds; ``builtin:tiny-qwen-image-edit`` and ``builtin:tiny-qwen-image-edit-v1`` in
+``test_qwen_image_edit.py`` (their processor without torchvision)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from diffusionrl.models import (
     FluxKontextAdapter,
     QwenImageAdapter,
     QwenImageEditAdapter,
+    QwenImageEditV1Adapter,
     WanAdapter,
     ZImageAdapter,
 )
@@ -93,6 +94,8 @@ FAMILIES = [
            lora_has=("transformer_blocks.0.attn.to_add_out.", "transformer_blocks.1.attn.add_k_proj."),
            lora_lacks=("transformer_blocks.1.attn.to_add_out.",)),
     Family("qwen-image-edit", "tiny-cpu-qwen-image-edit", QwenImageEditAdapter, cfg_pass=True,
+           rollout=_qwen_image_edit_rollout),
+    Family("qwen-image-edit-v1", "tiny-cpu-qwen-image-edit-v1", QwenImageEditV1Adapter, cfg_pass=True,
            rollout=_qwen_image_edit_rollout),
     Family("wan", "tiny-cpu-wan", WanAdapter, cfg_pass=True, rollout=_wan_rollout),
     Family("wan22", "tiny-cpu-wan22", WanAdapter, cfg_pass=True,

@@ -102,12 +102,16 @@ def test_every_familys_sampling_call_takes_the_runs_text_length():
 
 
 def test_an_editing_models_card_serves_an_instruction_with_its_image():
-    for family, pipeline in (("flux-kontext", "FluxKontextPipeline"), ("qwen-image-edit", "QwenImageEditPlusPipeline")):
+    for family, pipeline in (("flux-kontext", "FluxKontextPipeline"), ("qwen-image-edit", "QwenImageEditPlusPipeline"),
+                             ("qwen-image-edit-v1", "QwenImageEditPipeline")):
         card = render_card({**INFO, "family": family, "pipeline_class": pipeline}, layout="diffusers")
         assert front_matter(card)["pipeline_tag"] == "image-to-image"
         served = python_blocks(card)[-1]
         assert 'Path("input.png").read_bytes()' in served and '"image": [image]' in served
-        assert ("VAE_IMAGE_SIZE" in card) == (family == "qwen-image-edit")  # the stock pipeline's 1024^2 input area
+        # the stock pipeline's fixed 1024^2 input area, and how the registered model serves the trained one
+        assert ("VAE_IMAGE_SIZE" in card) == (family == "qwen-image-edit")
+        assert ("calculate_dimensions(1024 * 1024" in card) == (family == "qwen-image-edit-v1")
+        assert ("area_bound_call" in card) == family.startswith("qwen-image-edit")
     assert front_matter(render_card(INFO))["pipeline_tag"] == "text-to-image"
     assert not editing_family("") and not editing_family("sd15")  # no recorded family, or another library's
     assert '"image"' not in python_blocks(render_card(INFO))[-1]

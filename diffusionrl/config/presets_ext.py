@@ -264,6 +264,12 @@ TINY_CPU_QWEN_IMAGE_EDIT: dict[str, Any] = {
     "eval": {"guidance_scale": 4.0},
     "tracking": {"registered_model": "tiny-qwen-image-edit-shapes"},
 }
+# The same over Qwen-Image-Edit's first release's pipeline (QwenImageEditPipeline: the VL encoder sees the input
+# image at the VAE's size, with no "Picture 1:" label) on builtin:tiny-qwen-image-edit-v1, the same weights.
+TINY_CPU_QWEN_IMAGE_EDIT_V1: dict[str, Any] = {
+    "model": {"name": "builtin:tiny-qwen-image-edit-v1"},
+    "tracking": {"registered_model": "tiny-qwen-image-edit-v1-shapes"},
+}
 
 TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-mixgrpo": (TINY_CPU_MIXGRPO,),
@@ -273,6 +279,7 @@ TINY_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "tiny-cpu-flux-kontext": (TINY_CPU_FLUX_KONTEXT,),
     "tiny-cpu-shape-edits": (TINY_CPU_SHAPE_EDITS,),
     "tiny-cpu-qwen-image-edit": (TINY_CPU_QWEN_IMAGE_EDIT,),
+    "tiny-cpu-qwen-image-edit-v1": (TINY_CPU_QWEN_IMAGE_EDIT, TINY_CPU_QWEN_IMAGE_EDIT_V1),
 }
 GPU_EXT_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "zimage-turbo-pickscore": (ZIMAGE_TURBO_PICKSCORE,),

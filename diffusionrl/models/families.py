@@ -30,13 +30,14 @@ from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter
 from .qwen_image import QwenImageAdapter
-from .qwen_image_edit import QwenImageEditAdapter
+from .qwen_image_edit import QwenImageEditAdapter, QwenImageEditV1Adapter
 from .sd3 import SD3Adapter
 from .wan import WanAdapter
 from .zimage import ZImageAdapter
 
 ADAPTERS: tuple[type[FlowAdapter], ...] = (SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter, ZImageAdapter,
-                                           Flux2Adapter, Flux2KleinAdapter, FluxKontextAdapter, QwenImageEditAdapter)
+                                           Flux2Adapter, Flux2KleinAdapter, FluxKontextAdapter, QwenImageEditAdapter,
+                                           QwenImageEditV1Adapter)
 
 
 class ModelReferenceError(UserError):

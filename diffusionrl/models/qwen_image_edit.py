@@ -17,6 +17,15 @@ latents, the video VAE) that sees the image to edit twice, as the stock pipeline
 - The schedule's shift counts the noisy latents' tokens only (as ``PackedLatents`` does).
 Without an input image (rows with no ``image``) the prompt is encoded with the edit template and no picture,
 and the transformer sees the noisy latents only (the pipeline's encoding with ``image=None``).
+
+Qwen-Image-Edit's first release (``Qwen/Qwen-Image-Edit``, diffusers ``QwenImageEditPipeline``;
+``QwenImageEditV1Adapter``) differs in the text side only: its template holds the picture's vision tokens
+with no "Picture 1: " label, and the VL encoder sees the input image as the VAE does, at the VAE size (the
+pipeline resizes it once, to ``calculate_dimensions(1024 * 1024, aspect)``, and both encoders take that image;
+here the sampling resolution's area, as above). The transformer's sequence, the latents and the schedule are
+the Plus pipeline's. It edits only: its template holds the picture's vision tokens, which the VL processor
+refuses without a picture (the stock call reads the image's size first), so rows without an ``image`` are a
+``ConfigError``.
 """
 
 from __future__ import annotations
@@ -30,9 +39,14 @@ from .packed import pack
 from .qwen_image import QwenImageAdapter
 from .references import EditingReferences, image_key
 from .textside import TextSide, pad_embeds
-from .tiny_qwen_image_edit import TINY_QWEN_IMAGE_EDIT_REF, build_tiny_qwen_image_edit_pipeline
+from .tiny_qwen_image_edit import (
+    TINY_QWEN_IMAGE_EDIT_REF,
+    TINY_QWEN_IMAGE_EDIT_V1_REF,
+    build_tiny_qwen_image_edit_pipeline,
+    build_tiny_qwen_image_edit_v1_pipeline,
+)
 
-__all__ = ["QwenImageEditAdapter"]
+__all__ = ["QwenImageEditAdapter", "QwenImageEditV1Adapter"]
 
 
 def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,12 +83,18 @@ class QwenImageEditAdapter(EditingReferences, QwenImageAdapter):
         """``(height, width)`` in pixels the input image is VAE-encoded at (see the module docstring)."""
         return self._dimensions(resolution * resolution, height, width)
 
-    def condition_image(self, image: np.ndarray):
-        """The PIL image the VL text encoder sees: the input at ``CONDITION_IMAGE_SIZE`` (the pipeline's resize)."""
+    def condition_size(self, height: int, width: int, resolution: int) -> tuple[int, int]:
+        """``(height, width)`` in pixels the VL text encoder sees the input image at: ``CONDITION_IMAGE_SIZE`` of
+        area at its aspect (the Plus pipeline's own size, whatever the output's)."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE
+
+        return self._dimensions(CONDITION_IMAGE_SIZE, height, width)
+
+    def condition_image(self, image: np.ndarray, resolution: int):
+        """The PIL image the VL text encoder sees: the input resized to ``condition_size`` (the pipeline's resize)."""
         from PIL import Image
 
-        h, w = self._dimensions(CONDITION_IMAGE_SIZE, *image.shape[:2])
+        h, w = self.condition_size(*image.shape[:2], resolution)
         return self.pipe.image_processor.resize(Image.fromarray(np.ascontiguousarray(image)), h, w)
 
     def _encode_reference(self, image: np.ndarray, h: int, w: int) -> torch.Tensor:
@@ -93,7 +113,7 @@ class QwenImageEditAdapter(EditingReferences, QwenImageAdapter):
         pictures: dict = {}
         for key, im in zip(keys, references):
             if key not in pictures:
-                pictures[key] = self.condition_image(im)
+                pictures[key] = self.condition_image(im, resolution)
         encoded: dict[tuple[str, bytes], torch.Tensor] = {}
 
         def encode(text: str, key: bytes) -> torch.Tensor:
@@ -129,3 +149,33 @@ class QwenImageEditAdapter(EditingReferences, QwenImageAdapter):
             return_dict=False,
         )[0]
         return out[:, : (h // 2) * (w // 2)]
+
+
+class QwenImageEditV1Adapter(QwenImageEditAdapter):
+    """Qwen-Image-Edit's first release (``QwenImageEditPipeline``): the Plus adapter with the VL encoder shown
+    the input image at the VAE's size (see the module docstring)."""
+
+    family = "qwen-image-edit-v1"
+    pipeline_class = "QwenImageEditPipeline"
+    builtin = TINY_QWEN_IMAGE_EDIT_V1_REF
+    pipeline_logger = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit"
+
+    @staticmethod
+    def build_tiny():
+        return build_tiny_qwen_image_edit_v1_pipeline()
+
+    def condition_size(self, height: int, width: int, resolution: int) -> tuple[int, int]:
+        """The VAE's size (``reference_size``): the pipeline resizes the input once and both encoders take it."""
+        return self.reference_size(height, width, resolution)
+
+    @torch.no_grad()
+    def encode_conditioning(self, prompts: list[str], negative_prompt: str | None, max_sequence_length: int,
+                            references: list[np.ndarray] | None = None, resolution: int | None = None) -> Conditioning:
+        if references is None:
+            from diffusionrl.config import ConfigError
+
+            raise ConfigError(f"{self.pipeline_class} (Qwen-Image-Edit's first release, {self.family}) edits images "
+                              "only: its prompt template holds the input picture's vision tokens. Give every prompt "
+                              "row an 'image', or use a model that also generates from text (e.g. "
+                              "builtin:tiny-qwen-image-edit, QwenImageEditPlusPipeline)")
+        return super().encode_conditioning(prompts, negative_prompt, max_sequence_length, references, resolution)

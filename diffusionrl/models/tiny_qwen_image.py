@@ -57,8 +57,9 @@ def build_qwen_tokenizer(template_words: list[str] = TEMPLATE_WORDS, special: li
 
 def check_template_prefix(pipe) -> None:
     """The pipeline drops ``prompt_template_encode_start_idx`` leading positions: they must be exactly
-    the template's prefix, else prompts would be cut or the system text kept."""
-    prefix = pipe.prompt_template_encode.split("{}")[0]
+    the template's prefix, else prompts would be cut or the system text kept. The prefix ends where the prompt
+    or the picture's vision tokens begin (``QwenImageEditPipeline``'s template puts them before the prompt)."""
+    prefix = pipe.prompt_template_encode.split("{}")[0].split("<|vision_start|>")[0]
     n = len(pipe.tokenizer(prefix).input_ids)
     if n != pipe.prompt_template_encode_start_idx:
         raise ValueError(f"the tiny Qwen tokenizer makes the prompt template's prefix {n} tokens; the pipeline drops "

@@ -16,6 +16,11 @@ video VAE, the scheduler with Qwen-Image's dynamic shift) at their own seeds, an
   otherwise the stock class (the pipeline never passes videos). It saves and loads its tokenizer and image
   processor only, so ``models.save_builtin`` writes a folder that ``QwenImageEditPlusPipeline.from_pretrained``
   loads without torchvision (``model_index.json`` names this module's ``ImageOnlyQwen2VLProcessor``).
+
+``builtin:tiny-qwen-image-edit-v1`` is the same components in Qwen-Image-Edit's first release's pipeline
+(``QwenImageEditPipeline``): the same weights, so the two pipelines' differences (the template, the size the VL
+encoder sees the image at) are all that tells their edits apart. Both templates' system prefix is the same 64
+tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .tiny import TINY_SEED, decoder_text_config, frozen
 from .tiny_qwen_image import SPECIAL, build_qwen_tokenizer, build_tiny_qwen_image_components, check_template_prefix
 
 TINY_QWEN_IMAGE_EDIT_REF = "builtin:tiny-qwen-image-edit"
+TINY_QWEN_IMAGE_EDIT_V1_REF = "builtin:tiny-qwen-image-edit-v1"
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 # QwenImageEditPlusPipeline's template prefix cut into the real tokenizer's pre-tokens (one token each there):
 # the words, punctuation and "'s" pieces; "\n" is one byte symbol already.
@@ -110,5 +116,13 @@ def build_tiny_qwen_image_edit_pipeline():
     from diffusers import QwenImageEditPlusPipeline
 
     pipe = QwenImageEditPlusPipeline(**build_tiny_qwen_image_edit_components())
+    check_template_prefix(pipe)
+    return pipe
+
+
+def build_tiny_qwen_image_edit_v1_pipeline():
+    from diffusers import QwenImageEditPipeline
+
+    pipe = QwenImageEditPipeline(**build_tiny_qwen_image_edit_components())
     check_template_prefix(pipe)
     return pipe

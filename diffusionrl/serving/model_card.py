@@ -154,6 +154,11 @@ def _served(info: dict) -> list[str]:
                       "(its module's `VAE_IMAGE_SIZE`) whatever the output size; this LoRA was trained with it at the "
                       "output's area, which the registered model serves (diffusionrl's "
                       "`serving/request_limits.area_bound_call`)."]
+    if info.get("pipeline_class") == "QwenImageEditPipeline":
+        lines += ["", "The stock `QwenImageEditPipeline` resizes the input image to 1024x1024 pixels of area "
+                      "(`calculate_dimensions(1024 * 1024, ...)` in its call) for both its text encoder and its VAE, "
+                      "whatever the output size; this LoRA was trained with it at the output's area, which the "
+                      "registered model serves (diffusionrl's `serving/request_limits.area_bound_call`)."]
     return lines
 
 

@@ -207,18 +207,24 @@ IMAGE_REQUIRED = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 # ``guidance_scale``, which is what its adapter samples with)
 TRUE_CFG = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 VAE_AREA = "VAE_IMAGE_SIZE"  # QwenImageEditPlusPipeline's module constant: the area its input image is encoded at
+# QwenImageEditPipeline's size rule: its __call__ calls it once, as calculate_dimensions(1024 * 1024, aspect), for
+# the size its input image is resized to (the VL encoder and the VAE both take that image)
+AREA_RULE = "calculate_dimensions"
 
 
 def area_bound_call(pipeline, area: int):
-    """``pipeline.__call__`` with the input image VAE-encoded at ``area`` pixels (at its aspect), for a pipeline
-    that encodes it at its module's fixed ``VAE_IMAGE_SIZE`` (QwenImageEditPlusPipeline: 1024^2 whatever the
-    output's size); None for one whose request sizes it (Kontext: resized to ``reference_size`` beforehand).
+    """``pipeline.__call__`` with the input image encoded at ``area`` pixels (at its aspect), for a pipeline that
+    encodes it at a fixed area whatever the output's size (QwenImageEditPlusPipeline: its module's
+    ``VAE_IMAGE_SIZE``, 1024^2; QwenImageEditPipeline: ``calculate_dimensions(1024 * 1024, ...)`` in the call);
+    None for one whose request sizes it (Kontext: resized to ``reference_size`` beforehand).
 
     The LoRA was trained with the input image at the output's area (``models/qwen_image_edit.py``: the
     sampling resolution's), so the served edit encodes it there too. This is the stock function (its code,
     defaults and closure, under ``torch.no_grad`` as the method is) over a copy of its module's globals in which
-    ``VAE_IMAGE_SIZE`` is ``area``: nothing is patched, so the module, other pipelines and concurrent requests
-    keep the stock value. The input image goes to it as sent (the pipeline resizes it once, as the adapter does)."""
+    ``VAE_IMAGE_SIZE`` is ``area``, or (the first release's pipeline, which has no such constant) in which
+    ``calculate_dimensions`` sizes for ``area`` whatever area it is asked: nothing is patched, so the module,
+    other pipelines and concurrent requests keep the stock value. The input image goes to it as sent (the
+    pipeline resizes it once, as the adapter does)."""
     import functools
     import inspect
     import types
@@ -226,10 +232,15 @@ def area_bound_call(pipeline, area: int):
     import torch
 
     fn = inspect.unwrap(type(pipeline).__call__)  # the function under torch.no_grad's wrapper
-    if VAE_AREA not in fn.__code__.co_names:
+    names = fn.__code__.co_names
+    if VAE_AREA in names:  # the Plus pipeline also calls calculate_dimensions, for its VL image's fixed 384^2
+        bound = {VAE_AREA: int(area)}
+    elif AREA_RULE in names:
+        rule = fn.__globals__[AREA_RULE]
+        bound = {AREA_RULE: lambda _fixed_area, ratio: rule(int(area), ratio)}
+    else:
         return None
-    scope = {**fn.__globals__, VAE_AREA: int(area)}
-    call = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    call = types.FunctionType(fn.__code__, {**fn.__globals__, **bound}, fn.__name__, fn.__defaults__, fn.__closure__)
     call.__kwdefaults__ = fn.__kwdefaults__
     return functools.partial(torch.no_grad()(call), pipeline)
 

@@ -56,6 +56,9 @@ UNSERVED_FAMILIES = {
     "qwen-image-edit": "an editing family: its input image enters the text encoder (Qwen2.5-VL's vision tower) and, "
                        "VAE-encoded, the transformer, and the engine's rollout requests (protocol.py) carry prompts "
                        "and seeds only, with no input image to send",
+    "qwen-image-edit-v1": "an editing family: its input image enters the text encoder (Qwen2.5-VL's vision tower) "
+                          "and, VAE-encoded, the transformer, and the engine's rollout requests (protocol.py) carry "
+                          "prompts and seeds only, with no input image to send",
 }
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
