@@ -11,12 +11,15 @@ calibration), the unedited inputs (a copy of the source image: must succeed nowh
 sampled as the ``tiny-cpu-shape-edits`` preset's evaluation does (ODE, ``--steps``, ``--seeds`` seeds per
 row from the evaluation seed, CFG-free), and ``--lora DIR`` those of the model with a LoRA a run wrote (same
 seeds), with ``tuned_success_gain``: the gain in overall success and its 90 % paired bootstrap interval over
-the samples, within each category (``gain_interval``). ``--grid PATH`` writes a PNG of the first
-``--grid-rows`` samples, one column each, bands from top to bottom: input | expected target | model's edit |
-tuned edit (with ``--lora``).
+the samples, within each category (``gain_interval``). ``--lora`` given several times (runs of one recipe at
+other training seeds) judges each LoRA (``tuned_1``, ``tuned_2``, ... with ``tuned_<i>_success_gain``) and adds
+``pooled_success_gain``: the LoRAs' mean gain, its interval from the same paired bootstrap on each sample's
+success averaged over the LoRAs (so it speaks for these trained LoRAs on the held-out samples, not for a new
+training seed), and how many LoRAs gained. ``--grid PATH`` writes a PNG of the first ``--grid-rows`` samples,
+one column each, bands from top to bottom: input | expected target | model's edit | each tuned edit.
 
     python bench/shape_edits.py [--rows N] [--split test|train|all] [--seed S] [--test-fraction F]
-        [--model M [--lora DIR] [--steps T] [--seeds K] [--grid PATH]]
+        [--model M [--lora DIR ...] [--steps T] [--seeds K] [--grid PATH]]
 """
 
 from __future__ import annotations
@@ -75,8 +78,21 @@ def gain_interval(base: np.ndarray, tuned: np.ndarray, rows: list[dict], resampl
     return {"gain": round(gain, 4), "interval_90": [round(float(np.percentile(draws, q)), 4) for q in (5, 95)]}
 
 
+def tuned_names(loras: list[str]) -> list[str]:
+    """The result key of each ``--lora``: ``tuned`` for one, ``tuned_1``, ``tuned_2``, ... for several."""
+    return ["tuned"] if len(loras) == 1 else [f"tuned_{i + 1}" for i in range(len(loras))]
+
+
+def pooled_gain(base: np.ndarray, tuned: list[np.ndarray], rows: list[dict]) -> dict:
+    """Several LoRAs' mean success gain over the model's and its 90 % interval (``gain_interval`` on each sample's
+    success averaged over the LoRAs), with each LoRA's gain and how many are above 0."""
+    gains = [gain_interval(base, t, rows)["gain"] for t in tuned]
+    return {**gain_interval(base, np.mean(tuned, axis=0), rows), "gains": gains,
+            "loras_gaining": f"{sum(g > 0 for g in gains)} of {len(gains)}"}
+
+
 def model_edits(args, rows: list[dict]) -> tuple[dict[str, np.ndarray], list[dict]]:
-    """The model's (and with ``--lora`` the tuned model's) edits of ``rows``, ``--seeds`` samples each,
+    """The model's (and with ``--lora`` each tuned model's) edits of ``rows``, ``--seeds`` samples each,
     and the rows of the samples (row-major, as the evaluation orders them)."""
     import copy
 
@@ -92,7 +108,8 @@ def model_edits(args, rows: list[dict]) -> tuple[dict[str, np.ndarray], list[dic
     if args.lora:
         from peft import PeftModel
 
-        transformers["tuned"] = PeftModel.from_pretrained(copy.deepcopy(adapter.transformer), args.lora).eval()
+        for name, lora in zip(tuned_names(args.lora), args.lora):
+            transformers[name] = PeftModel.from_pretrained(copy.deepcopy(adapter.transformer), lora).eval()
     spec = eval_spec(cfg)
     images = {name: LocalRolloutEngine(adapter, t, 16).generate(prompts, groups, seeds, spec, None, metadata).images
               for name, t in transformers.items()}
@@ -112,7 +129,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--test-fraction", type=float, default=0.2)
     parser.add_argument("--model", default=None, help="an image-editing model to judge too")
-    parser.add_argument("--lora", default=None, help="a LoRA folder a run wrote for --model: its edits too")
+    parser.add_argument("--lora", action="append", default=[],
+                        help="a LoRA folder a run wrote for --model: its edits too (repeat for several runs)")
     parser.add_argument("--steps", type=int, default=20, help="ODE steps of the model's edits")
     parser.add_argument("--seeds", type=int, default=1, help="samples per row")
     parser.add_argument("--grid", default=None, help="PNG: input | target | model | tuned, one column per sample")
@@ -128,14 +146,19 @@ def main() -> None:
         edits, sample_rows = model_edits(args, rows)
         verdicts = {name: judge(images, sample_rows) for name, images in edits.items()}
         results.update({name: judged(edits[name], sample_rows, v) for name, v in verdicts.items()})
-        if "tuned" in verdicts:
-            results["tuned_success_gain"] = gain_interval(verdicts["model"].per_sample["success"],
-                                                          verdicts["tuned"].per_sample["success"], sample_rows)
+        base = verdicts["model"].per_sample["success"]
+        names = tuned_names(args.lora) if args.lora else []
+        for name in names:
+            results[f"{name}_success_gain"] = gain_interval(base, verdicts[name].per_sample["success"], sample_rows)
+        if len(names) > 1:
+            results["pooled_success_gain"] = pooled_gain(base, [verdicts[n].per_sample["success"] for n in names],
+                                                         sample_rows)
         if args.grid:
             expected = baselines(sample_rows)
             write_grid(args.grid, [expected["copy"], expected["target"], *edits.values()], args.grid_rows)
+    lora = args.lora[0] if len(args.lora) == 1 else args.lora or None
     _common.emit({"source": cfg.source, "split": args.split, "rows": len(rows), "model": args.model,
-                  "lora": args.lora, "steps": args.steps if args.model else None, "seeds": args.seeds,
+                  "lora": lora, "steps": args.steps if args.model else None, "seeds": args.seeds,
                   "rows_per_category": {c: sum(r["category"] == c for r in rows) for c in CATEGORIES}, **results})
 
 
