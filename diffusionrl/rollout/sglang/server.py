@@ -53,12 +53,10 @@ UNSERVED_FAMILIES = {
     "flux-kontext": "an editing family: its input image enters the transformer as extra tokens beside the noisy "
                     "latents, and the engine's rollout requests (protocol.py) carry prompts and seeds only, with no "
                     "input image nor its latents to send",
-    "qwen-image-edit": "an editing family: its input image enters the text encoder (Qwen2.5-VL's vision tower) and, "
-                       "VAE-encoded, the transformer, and the engine's rollout requests (protocol.py) carry prompts "
-                       "and seeds only, with no input image to send",
-    "qwen-image-edit-v1": "an editing family: its input image enters the text encoder (Qwen2.5-VL's vision tower) "
-                          "and, VAE-encoded, the transformer, and the engine's rollout requests (protocol.py) carry "
-                          "prompts and seeds only, with no input image to send",
+    **dict.fromkeys(("qwen-image-edit", "qwen-image-edit-v1"),  # both pipelines
+                    "an editing family: its input image enters the text encoder (Qwen2.5-VL's vision tower) and, "
+                    "VAE-encoded, the transformer, and the engine's rollout requests (protocol.py) carry prompts "
+                    "and seeds only, with no input image to send"),
 }
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
