@@ -65,12 +65,12 @@ def test_decode_is_the_stock_pipelines_and_encode_images_inverts_its_layout(flux
     assert z.shape == traj.latents[:, -1].shape and torch.isfinite(z).all()
 
 
-@pytest.mark.parametrize("family", ["flux2", "flux2-klein"])
-def test_the_sglang_engine_refuses_flux2_naming_why(family):
+def test_the_sglang_engine_refuses_flux2_klein_naming_why():
+    """FLUX.2 [dev] is served (tests/test_sglang.py); [klein]'s SGLang config fixes its text at 512 tokens."""
     from diffusionrl.rollout.sglang.server import SGLangServer, SGLangServerError
 
-    with pytest.raises(SGLangServerError, match=f"not '{family}'.*not verified.*sampling.engine=local"):
-        SGLangServer("python", "/nonexistent", "fp32", family=family)
+    with pytest.raises(SGLangServerError, match="not 'flux2-klein'.*fixes the text at 512 tokens.*engine=local"):
+        SGLangServer("python", "/nonexistent", "fp32", family="flux2-klein")
 
 
 @pytest.fixture(scope="module")

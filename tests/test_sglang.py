@@ -91,6 +91,29 @@ def test_preset_and_validation():
         load_config("tiny-cpu-sglang", overrides=["sampling.sglang_ipc_bucket_mb=0"])
 
 
+def test_every_family_is_served_or_refused_naming_why():
+    """Each model family is either served (``SERVED_FAMILIES``, with its text-encoder lengths) or refused at once
+    with the reason found when it was tried (``UNSERVED_FAMILIES``), never both, never neither."""
+    from diffusionrl.models import ADAPTERS
+    from diffusionrl.rollout.sglang.server import (
+        SERVED_FAMILIES,
+        UNSERVED_FAMILIES,
+        SGLangServer,
+        SGLangServerError,
+        text_encoder_args,
+    )
+
+    families = {a.family for a in ADAPTERS}
+    assert set(SERVED_FAMILIES) | set(UNSERVED_FAMILIES) == families
+    assert not set(SERVED_FAMILIES) & set(UNSERVED_FAMILIES)
+    for family, (_, encoders) in SERVED_FAMILIES.items():
+        assert len(text_encoder_args(family, 64)) == encoders
+    for family, why in UNSERVED_FAMILIES.items():
+        with pytest.raises(SGLangServerError, match=f"not '{family}'"):
+            SGLangServer("python", "/nonexistent", "fp32", family=family)
+        assert len(why) > 40, family
+
+
 def test_interpreter_resolution(tmp_path, monkeypatch):
     from diffusionrl.rollout.sglang import SGLangServerError
 
@@ -419,6 +442,61 @@ def test_flux_is_served_with_a_pushed_lora_and_recomputed_exactly(flux_stack):
         diff, pairs = FlowGRPOObjective(cfg, policy).recompute_log_prob_diff(traj)
         assert pairs == 12 and diff <= 1e-5, f"log_prob_mean_abs_diff {diff:.3e}"
         with pytest.raises(Exception, match="embedded guidance 3.5"):
+            engine.generate(prompts, groups, seeds, spec(guidance_scale=2.0), mask)
+    finally:
+        policy.load_lora_state(original)
+        engine.update_weights(original, 0)
+
+
+@pytest.fixture(scope="module")
+def flux2_stack():
+    """(cfg, adapter, policy, engine) for tiny-cpu-flux2 served by SGLang's native FLUX.2 [dev] pipeline."""
+    if not sglang_available():
+        pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
+    from diffusionrl.models import load_adapter
+    from diffusionrl.training.policy import LoraPolicy
+
+    cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", SLOW_START,
+                      preset="tiny-cpu-flux2")
+    adapter = load_adapter(cfg.model)
+    policy = LoraPolicy(adapter, cfg.model, seed=0)
+    engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
+    try:
+        engine.update_weights(policy.lora_state(), 0)
+        yield cfg, adapter, policy, engine
+    finally:
+        engine.close()
+
+
+@requires_sglang
+def test_flux2_is_served_with_a_pushed_lora_and_recomputed_exactly(flux2_stack):
+    """FLUX.2 [dev] through SGLang's native pipeline: its 128-channel latent tokens come back as our spatial
+    latents, the Mistral text at the local length (not SGLang's 512) equals the local encoding, no pooled
+    embedding, the embedded guidance (which SGLang's FLUX.2 pipeline reports as the scale itself) is the spec's,
+    pushed weights verify by name against SGLang's FLUX.2 module, and our trainer recomputes the server's
+    log-probs."""
+    cfg, adapter, policy, engine = flux2_stack
+    original = policy.lora_state()
+    policy.load_lora_state(perturbed(original))
+    try:
+        engine.update_weights(policy.lora_state(), 1)  # verify_weights: per-tensor and module checksums
+        prompts, groups, seeds = batch()
+        mask = np.zeros((4, 4), dtype=bool)
+        mask[:, :3] = True
+        served_spec = spec(guidance_scale=cfg.sampling.guidance_scale,
+                           max_sequence_length=cfg.model.max_sequence_length)
+        traj = engine.generate(prompts, groups, seeds, served_spec, mask)
+        assert traj.latents.shape == (4, 5, *adapter.latent_shape(32))
+        assert traj.conditioning.negative_prompt_embeds is None and traj.conditioning.pooled_embeds.shape == (4, 0)
+        ours = adapter.encode_prompts(prompts, None, cfg.model.max_sequence_length)
+        assert traj.conditioning.prompt_embeds.shape == ours.prompt_embeds.shape
+        torch.testing.assert_close(traj.conditioning.prompt_embeds, ours.prompt_embeds, rtol=1e-5, atol=1e-5)
+        sigmas, _ = adapter.schedule(4, 32)  # its empirical mu of the token count and steps, as the server's
+        torch.testing.assert_close(traj.sigmas, sigmas, rtol=0, atol=1e-6)
+        diff, pairs = FlowGRPOObjective(cfg, policy).recompute_log_prob_diff(traj)
+        print(f"flux2 served: recompute log_prob_mean_abs_diff {diff:.3g} over {pairs} pairs")
+        assert pairs == 12 and diff <= 1e-5, f"log_prob_mean_abs_diff {diff:.3e}"
+        with pytest.raises(Exception, match=f"embedded guidance {cfg.sampling.guidance_scale:g}"):
             engine.generate(prompts, groups, seeds, spec(guidance_scale=2.0), mask)
     finally:
         policy.load_lora_state(original)

@@ -54,7 +54,7 @@ def test_ode_sampling_equals_the_stock_zimage_pipeline(zimage, guidance):
 def test_the_sglang_engine_refuses_zimage_naming_why():
     from diffusionrl.rollout.sglang.server import SGLangServer, SGLangServerError
 
-    with pytest.raises(SGLangServerError, match="not 'zimage'.*not verified.*sampling.engine=local"):
+    with pytest.raises(SGLangServerError, match="not 'zimage'.*n_heads.*one caption per request.*engine=local"):
         SGLangServer("python", "/nonexistent", "fp32", family="zimage")
 
 

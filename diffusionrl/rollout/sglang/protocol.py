@@ -23,10 +23,13 @@ Mapping of our contract to SGLang's (sglang 0.5.23, SD3):
 - sigmas/timesteps: the server's own post-shift ``sigmas`` snapshot is kept as is (recomputing it
   from timesteps drifts ~3e-5 in log-prob); its timesteps carry a terminal 0, dropped (``[:T]``).
 - conditioning: ``pos_cond_kwargs`` / ``neg_cond_kwargs`` (``encoder_hidden_states``,
-  ``pooled_projections``) -> ``Conditioning``. The server encodes T5 at ``model.max_sequence_length``
-  tokens, as the local engine does (``server.text_encoder_args``: SD3 then conditions on
-  ``77 + max_sequence_length`` tokens, not SGLang's fixed 77 + 256; FLUX.1 on ``max_sequence_length``,
-  not 512). A request's ``max_sequence_length`` is not sent: in 0.5.23 it would cut SD3's CLIP
+  ``pooled_projections``; FLUX.2 has none: ``[B, 0]`` as its adapter's) -> ``Conditioning``. The server
+  encodes T5 (FLUX.2's Mistral) at ``model.max_sequence_length`` tokens, as the local engine does
+  (``server.text_encoder_args``: SD3 then conditions on ``77 + max_sequence_length`` tokens, not SGLang's
+  fixed 77 + 256; FLUX.1 and FLUX.2 on ``max_sequence_length``, not 512).
+- a guidance-distilled family's embedded scale comes back in ``denoising_env.guidance``, in the unit
+  its SGLang pipeline feeds the DiT (``GUIDANCE_UNIT``: FLUX.1's scale x 1000, FLUX.2's as is), and is
+  checked against the spec's. A request's ``max_sequence_length`` is not sent: in 0.5.23 it would cut SD3's CLIP
   encoders too and is not applied to the negative prompt.
 - images: ``generated_output`` (float ``[3, H, W]`` in [0, 1]) -> uint8 ``[H, W, 3]``.
 """
@@ -42,6 +45,10 @@ from diffusionrl.trajectory import Conditioning
 
 from ..base import SamplingSpec
 from .server import SGLangServerError
+
+# denoising_env.guidance per guidance-distilled family: the spec's scale times this (SGLang 0.5.23's FLUX.1
+# pipeline hands its DiT guidance x 1000, its FLUX.2 pipeline the scale itself)
+GUIDANCE_UNIT = {"flux": 1000.0, "flux2": 1.0}
 
 
 def json_or_text(r):
@@ -172,7 +179,7 @@ def trajectory_fields(items: list[dict], spec: SamplingSpec, adapter) -> dict[st
         log_probs.append(item["rollout_log_probs"].to(torch.float32).reshape(t))  # [T]
         env = item["denoising_env"]
         if not cfg and env.get("guidance") is not None:  # a guidance-distilled family: the server's embedded scale
-            served = float(env["guidance"].reshape(-1)[0]) / 1000.0
+            served = float(env["guidance"].reshape(-1)[0]) / GUIDANCE_UNIT[adapter.family]
             if abs(served - spec.guidance_scale) > 1e-6:
                 raise SGLangServerError(f"the server samples with embedded guidance {served:g}, the request asks for "
                                         f"{spec.guidance_scale:g} (SGLang takes it per server: --embedded-cfg-scale)")
@@ -195,7 +202,10 @@ def _conditioning(pos: list[dict], neg: list[dict | None] | None) -> Conditionin
     """The DiT's conditioning kwargs of each sample -> one batched ``Conditioning``."""
 
     def stack(kwargs: list[dict], key: str, ndim: int) -> torch.Tensor:
-        # one sample's tensor comes as [S, D] / [D] (or with a leading 1)
+        # one sample's tensor comes as [S, D] / [D] (or with a leading 1); a family without it (FLUX.2's
+        # pooled embedding) gets [B, 0], as its adapter's
+        if key not in kwargs[0]:
+            return torch.zeros(len(kwargs), 0)
         return torch.stack([kw[key].reshape(kw[key].shape[-ndim:]).to(torch.float32) for kw in kwargs])
 
     cond = Conditioning(stack(pos, "encoder_hidden_states", 2), stack(pos, "pooled_projections", 1))

@@ -36,20 +36,22 @@ log = logging.getLogger(__name__)
 # SGLang picks its native pipeline by model id (a local folder's name says nothing); any other id
 # falls back to its diffusers backend, whose /rollout/generate fails. Family -> (model id, number of
 # text encoders: one precision each).
-SERVED_FAMILIES = {"sd3": ("stable-diffusion-3-medium-diffusers", 3), "flux": ("FLUX.1-dev", 2)}
+SERVED_FAMILIES = {"sd3": ("stable-diffusion-3-medium-diffusers", 3), "flux": ("FLUX.1-dev", 2),
+                   "flux2": ("FLUX.2-dev", 1)}
 SD3_MODEL_ID = SERVED_FAMILIES["sd3"][0]
-# Families the engine does not serve, and why (docs/sglang.md): Wan (SGLang 0.5.23 has its pipeline, the CPU
-# kernel fails), editing families (FLUX.1 Kontext: the requests carry no input image) and families not verified
-# with SGLang here.
+# Families the engine does not serve, and why (docs/sglang.md): what was tried with SGLang 0.5.23 on CPU (Wan,
+# Qwen-Image: a CPU kernel is missing; Z-Image: its DiT config and batching; FLUX.2 [klein]: a fixed text length)
+# and editing families (the requests carry no input image).
 UNSERVED_FAMILIES = {
-    "wan": "on CPU SGLang's Wan DiT calls torch.ops.sgl_kernel.fused_norm_scale_shift_cpu, which the installed "
-           "sgl_kernel lacks: /rollout/generate answers HTTP 500 on the first forward",
-    "zimage": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked for "
-              "SD3 and FLUX.1 only",
-    "flux2": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked for "
-             "SD3 and FLUX.1 only",
-    "flux2-klein": "not verified: this engine's rollout requests, text-encoder lengths and LoRA push are checked "
-                   "for SD3 and FLUX.1 only",
+    **dict.fromkeys(("wan", "qwen-image"),
+                    "on CPU SGLang's DiT calls torch.ops.sgl_kernel.fused_norm_scale_shift_cpu, which the installed "
+                    "sgl_kernel lacks: /rollout/generate answers HTTP 500 on the first forward"),
+    "zimage": "SGLang's Z-Image DiT reads num_attention_heads and num_layers where diffusers' config has n_heads "
+              "and n_layers (it falls back to diffusers' transformer, which has no rotary_emb for its rollout path: "
+              "HTTP 500), and with the keys added it takes one caption per request (a batch of 2 answers HTTP 500)",
+    "flux2-klein": "SGLang's FLUX.2 [klein] pipeline config fixes the text at 512 tokens (it drops the tokenizer's "
+                   "max_length), so the served DiT would condition on other embeddings than the local engine's "
+                   "model.max_sequence_length",
     "flux-kontext": "an editing family: its input image enters the transformer as extra tokens beside the noisy "
                     "latents, and the engine's rollout requests (protocol.py) carry prompts and seeds only, with no "
                     "input image nor its latents to send",
@@ -63,10 +65,11 @@ PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 def text_encoder_args(family: str, t5_tokens: int) -> list[dict]:
     """SGLang's ``text_encoder_extra_args`` (per text encoder, laid over its tokenizer kwargs) that
-    make a served family encode prompts as the local engine does: CLIP at its 77 tokens, T5 at
-    ``model.max_sequence_length`` (diffusers' ``max_sequence_length``). SGLang 0.5.23 fixes SD3's
-    T5 at 256 tokens and FLUX.1's at 512 otherwise, and a request's ``max_sequence_length`` would
-    cut SD3's CLIP encoders too and miss its negative prompt; this applies to every prompt."""
+    make a served family encode prompts as the local engine does: CLIP at its 77 tokens, T5 (FLUX.2's
+    Mistral) at ``model.max_sequence_length`` (diffusers' ``max_sequence_length``). SGLang 0.5.23 fixes
+    SD3's T5 at 256 tokens and FLUX.1's and FLUX.2's text at 512 otherwise, and a request's
+    ``max_sequence_length`` would cut SD3's CLIP encoders too and miss its negative prompt; this applies to
+    every prompt."""
     t5 = {"max_length": int(t5_tokens), "padding": "max_length", "truncation": True}
     if family == "sd3":  # CLIP-L, CLIP-G keep their kwargs; T5 third
         return [{}, {}, t5]
@@ -74,6 +77,8 @@ def text_encoder_args(family: str, t5_tokens: int) -> list[dict]:
         common = {"padding": "max_length", "truncation": True, "return_overflowing_tokens": False,
                   "return_length": False}
         return [{**common, "max_length": 77}, {**common, **t5}]
+    if family == "flux2":  # one encoder (Mistral), the templated prompt padded to the local length as the pipeline's
+        return [t5]
     raise SGLangServerError(f"no text-encoder lengths for family {family!r}")
 SGLANG_PYTHON_ENV = "DIFFUSIONRL_SGLANG_PYTHON"
 LOOPBACK = "127.0.0.1"
