@@ -1,7 +1,8 @@
 """FLUX.2 through the model-family seam: builtin:tiny-flux2 (FLUX.2 [dev]) and builtin:tiny-flux2-klein (FLUX.2
 [klein] base, a CFG pass): ODE parity with the stock pipelines (distilled guidance or CFG, the empirical mu
-schedule), the VAE round trip through the batch-norm statistics and the patchify, the SGLang refusal. The
-exactness invariants (docs/algorithms.md section 11) of both presets and their LoRA targets:
+schedule), the VAE round trip through the batch-norm statistics and the patchify, [klein]'s SGLang text length
+(both served: ``test_sglang.py``). The exactness invariants (docs/algorithms.md section 11) of both presets and
+their LoRA targets:
 ``test_family_exactness.py``; both builtins loaded by their stock pipelines: ``test_family_builtins.py``."""
 
 import numpy as np
@@ -65,12 +66,15 @@ def test_decode_is_the_stock_pipelines_and_encode_images_inverts_its_layout(flux
     assert z.shape == traj.latents[:, -1].shape and torch.isfinite(z).all()
 
 
-def test_the_sglang_engine_refuses_flux2_klein_naming_why():
-    """FLUX.2 [dev] is served (tests/test_sglang.py); [klein]'s SGLang config fixes its text at 512 tokens."""
+def test_the_sglang_engine_serves_klein_only_at_its_fixed_text_length():
+    """Both are served (tests/test_sglang.py); [klein]'s SGLang config encodes prompts at 512 tokens whatever it is
+    asked, so another model.max_sequence_length is refused naming the one it takes."""
     from diffusionrl.rollout.sglang.server import SGLangServer, SGLangServerError
 
-    with pytest.raises(SGLangServerError, match="not 'flux2-klein'.*fixes the text at 512 tokens.*engine=local"):
-        SGLangServer("python", "/nonexistent", "fp32", family="flux2-klein")
+    with pytest.raises(SGLangServerError, match="at 512 tokens.*max_sequence_length=64.*set model.max_sequence_length"
+                                                "=512.*engine=local"):
+        SGLangServer("python", "/nonexistent", "fp32", family="flux2-klein", t5_tokens=64)
+    SGLangServer("python", "/nonexistent", "fp32", family="flux2-klein", t5_tokens=512)  # no process until start()
 
 
 @pytest.fixture(scope="module")

@@ -448,16 +448,21 @@ def test_flux_is_served_with_a_pushed_lora_and_recomputed_exactly(flux_stack):
         engine.update_weights(original, 0)
 
 
-@pytest.fixture(scope="module")
-def flux2_stack():
-    """(cfg, adapter, policy, engine) for tiny-cpu-flux2 served by SGLang's native FLUX.2 [dev] pipeline."""
+# FLUX.2 presets served: [dev] at its preset's text length, [klein] base at the 512 tokens SGLang fixes
+FLUX2_SERVED = {"flux2": ("tiny-cpu-flux2",), "flux2-klein": ("tiny-cpu-flux2-klein", "model.max_sequence_length=512")}
+
+
+@pytest.fixture(scope="module", params=list(FLUX2_SERVED))
+def flux2_stack(request):
+    """(cfg, adapter, policy, engine) for a FLUX.2 preset served by SGLang's native FLUX.2 pipeline."""
     if not sglang_available():
         pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
     from diffusionrl.models import load_adapter
     from diffusionrl.training.policy import LoraPolicy
 
-    cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", SLOW_START,
-                      preset="tiny-cpu-flux2")
+    preset, *overrides = FLUX2_SERVED[request.param]
+    cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", SLOW_START, *overrides,
+                      preset=preset)
     adapter = load_adapter(cfg.model)
     policy = LoraPolicy(adapter, cfg.model, seed=0)
     engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
@@ -470,12 +475,14 @@ def flux2_stack():
 
 @requires_sglang
 def test_flux2_is_served_with_a_pushed_lora_and_recomputed_exactly(flux2_stack):
-    """FLUX.2 [dev] through SGLang's native pipeline: its 128-channel latent tokens come back as our spatial
-    latents, the Mistral text at the local length (not SGLang's 512) equals the local encoding, no pooled
-    embedding, the embedded guidance (which SGLang's FLUX.2 pipeline reports as the scale itself) is the spec's,
-    pushed weights verify by name against SGLang's FLUX.2 module, and our trainer recomputes the server's
-    log-probs."""
+    """FLUX.2 through SGLang's native pipelines: the 128-channel latent tokens come back as our spatial latents,
+    the text at the local length ([dev]: ours, not SGLang's 512; [klein]: SGLang's 512, which the preset is set
+    to) equals the local encoding, no pooled embedding; [dev]'s embedded guidance (which SGLang's FLUX.2 pipeline
+    reports as the scale itself) is the spec's, [klein] base samples with a CFG pass against ""; pushed weights
+    verify by name against SGLang's FLUX.2 module, and our trainer recomputes the server's log-probs."""
     cfg, adapter, policy, engine = flux2_stack
+    cfg_pass = adapter.needs_negative(cfg.sampling.guidance_scale)
+    assert cfg_pass == (adapter.family == "flux2-klein")
     original = policy.lora_state()
     policy.load_lora_state(perturbed(original))
     try:
@@ -483,21 +490,28 @@ def test_flux2_is_served_with_a_pushed_lora_and_recomputed_exactly(flux2_stack):
         prompts, groups, seeds = batch()
         mask = np.zeros((4, 4), dtype=bool)
         mask[:, :3] = True
-        served_spec = spec(guidance_scale=cfg.sampling.guidance_scale,
+        served_spec = spec(guidance_scale=cfg.sampling.guidance_scale, negative_prompt=cfg.sampling.negative_prompt,
                            max_sequence_length=cfg.model.max_sequence_length)
         traj = engine.generate(prompts, groups, seeds, served_spec, mask)
         assert traj.latents.shape == (4, 5, *adapter.latent_shape(32))
-        assert traj.conditioning.negative_prompt_embeds is None and traj.conditioning.pooled_embeds.shape == (4, 0)
-        ours = adapter.encode_prompts(prompts, None, cfg.model.max_sequence_length)
+        assert traj.conditioning.pooled_embeds.shape == (4, 0)
+        negative = served_spec.negative_prompt if cfg_pass else None
+        ours = adapter.encode_prompts(prompts, negative, cfg.model.max_sequence_length)
         assert traj.conditioning.prompt_embeds.shape == ours.prompt_embeds.shape
         torch.testing.assert_close(traj.conditioning.prompt_embeds, ours.prompt_embeds, rtol=1e-5, atol=1e-5)
+        if cfg_pass:
+            torch.testing.assert_close(traj.conditioning.negative_prompt_embeds, ours.negative_prompt_embeds,
+                                       rtol=1e-5, atol=1e-5)
+        else:
+            assert traj.conditioning.negative_prompt_embeds is None
         sigmas, _ = adapter.schedule(4, 32)  # its empirical mu of the token count and steps, as the server's
         torch.testing.assert_close(traj.sigmas, sigmas, rtol=0, atol=1e-6)
         diff, pairs = FlowGRPOObjective(cfg, policy).recompute_log_prob_diff(traj)
-        print(f"flux2 served: recompute log_prob_mean_abs_diff {diff:.3g} over {pairs} pairs")
+        print(f"{adapter.family} served: recompute log_prob_mean_abs_diff {diff:.3g} over {pairs} pairs")
         assert pairs == 12 and diff <= 1e-5, f"log_prob_mean_abs_diff {diff:.3e}"
-        with pytest.raises(Exception, match=f"embedded guidance {cfg.sampling.guidance_scale:g}"):
-            engine.generate(prompts, groups, seeds, spec(guidance_scale=2.0), mask)
+        if not cfg_pass:
+            with pytest.raises(Exception, match=f"embedded guidance {cfg.sampling.guidance_scale:g}"):
+                engine.generate(prompts, groups, seeds, spec(guidance_scale=2.0), mask)
     finally:
         policy.load_lora_state(original)
         engine.update_weights(original, 0)

@@ -193,6 +193,12 @@ class FlowAdapter(LoraTargets):
         """The stock pipeline's ``output_type="latent"`` output -> spatial latents ``[B, C, H, W]``."""
         return latents
 
+    def from_tokens(self, tokens: torch.Tensor, resolution: int) -> torch.Tensor:
+        """The transformer's latent token sequence ``[B, seq, C']`` (what SGLang's rollout answers carry for a
+        family whose DiT takes tokens) -> spatial latents ``[B, C, H, W]``. For most such families the stock
+        pipeline's latent output is that sequence (``from_pipeline_latents``)."""
+        return self.from_pipeline_latents(tokens, resolution)
+
     @staticmethod
     def served_guidance(guidance_scale: float) -> float:
         """The stock pipeline's ``guidance_scale`` argument that samples as our ``guidance_scale`` does

@@ -142,3 +142,7 @@ class Flux2KleinAdapter(Flux2Adapter):
         z = type(self.pipe)._patchify_latents(latents)
         mean, std = self._bn(z)
         return (z - mean) / std
+
+    def from_tokens(self, tokens: torch.Tensor, resolution: int) -> torch.Tensor:
+        # the tokens are FLUX.2 [dev]'s (one 128-channel token per position); only the pipeline's output differs
+        return Flux2Adapter.from_pipeline_latents(self, tokens, resolution)

@@ -163,7 +163,8 @@ def parse_generate_response(r, body: dict) -> list[dict]:
 def trajectory_fields(items: list[dict], spec: SamplingSpec, adapter) -> dict[str, Any]:
     """The answers of one batch (in sample order) -> ``sigmas``, ``timesteps``, ``latents``,
     ``log_probs``, ``conditioning`` and ``images`` of its ``Trajectory``. Packed latent tokens
-    (FLUX: ``[T+1, seq, 4C]``) are unpacked by the adapter into spatial latents."""
+    (FLUX.1: ``[T+1, seq, 4C]``; FLUX.2: ``[T+1, seq, 128]``) are laid out by the adapter (``from_tokens``) as
+    spatial latents."""
     t = spec.num_steps
     cfg = adapter.needs_negative(spec.guidance_scale)
     traj0 = items[0]["dit_trajectory"]
@@ -175,7 +176,7 @@ def trajectory_fields(items: list[dict], spec: SamplingSpec, adapter) -> dict[st
         if not (torch.equal(traj["sigmas"].float(), sigmas) and torch.equal(traj["timesteps"].float()[:t], timesteps)):
             raise SGLangServerError("samples of one batch came back with different schedules")
         lat = traj["latents"].to(torch.float32)  # [T+1, C, h, w], or packed tokens [T+1, seq, 4C]
-        latents.append(adapter.from_pipeline_latents(lat, spec.resolution) if lat.ndim == 3 else lat)
+        latents.append(adapter.from_tokens(lat, spec.resolution) if lat.ndim == 3 else lat)
         log_probs.append(item["rollout_log_probs"].to(torch.float32).reshape(t))  # [T]
         env = item["denoising_env"]
         if not cfg and env.get("guidance") is not None:  # a guidance-distilled family: the server's embedded scale

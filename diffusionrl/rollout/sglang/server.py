@@ -37,11 +37,14 @@ log = logging.getLogger(__name__)
 # falls back to its diffusers backend, whose /rollout/generate fails. Family -> (model id, number of
 # text encoders: one precision each).
 SERVED_FAMILIES = {"sd3": ("stable-diffusion-3-medium-diffusers", 3), "flux": ("FLUX.1-dev", 2),
-                   "flux2": ("FLUX.2-dev", 1)}
+                   "flux2": ("FLUX.2-dev", 1), "flux2-klein": ("FLUX.2-klein-base-4B", 1)}
+# Families whose SGLang pipeline config fixes the text length whatever text_encoder_extra_args say (FLUX.2
+# [klein]'s drops the tokenizer's max_length): served only at that model.max_sequence_length
+FIXED_TEXT_TOKENS = {"flux2-klein": 512}
 SD3_MODEL_ID = SERVED_FAMILIES["sd3"][0]
 # Families the engine does not serve, and why (docs/sglang.md): what was tried with SGLang 0.5.23 on CPU (Wan,
-# Qwen-Image: a CPU kernel is missing; Z-Image: its DiT config and batching; FLUX.2 [klein]: a fixed text length)
-# and editing families (the requests carry no input image).
+# Qwen-Image: a CPU kernel is missing; Z-Image: its DiT config and batching) and editing families (the requests
+# carry no input image).
 UNSERVED_FAMILIES = {
     **dict.fromkeys(("wan", "qwen-image"),
                     "on CPU SGLang's DiT calls torch.ops.sgl_kernel.fused_norm_scale_shift_cpu, which the installed "
@@ -49,9 +52,6 @@ UNSERVED_FAMILIES = {
     "zimage": "SGLang's Z-Image DiT reads num_attention_heads and num_layers where diffusers' config has n_heads "
               "and n_layers (it falls back to diffusers' transformer, which has no rotary_emb for its rollout path: "
               "HTTP 500), and with the keys added it takes one caption per request (a batch of 2 answers HTTP 500)",
-    "flux2-klein": "SGLang's FLUX.2 [klein] pipeline config fixes the text at 512 tokens (it drops the tokenizer's "
-                   "max_length), so the served DiT would condition on other embeddings than the local engine's "
-                   "model.max_sequence_length",
     "flux-kontext": "an editing family: its input image enters the transformer as extra tokens beside the noisy "
                     "latents, and the engine's rollout requests (protocol.py) carry prompts and seeds only, with no "
                     "input image nor its latents to send",
@@ -79,6 +79,8 @@ def text_encoder_args(family: str, t5_tokens: int) -> list[dict]:
         return [{**common, "max_length": 77}, {**common, **t5}]
     if family == "flux2":  # one encoder (Mistral), the templated prompt padded to the local length as the pipeline's
         return [t5]
+    if family in FIXED_TEXT_TOKENS:  # SGLang's own length, which SGLangServer checks is the local one
+        return [{}]
     raise SGLangServerError(f"no text-encoder lengths for family {family!r}")
 SGLANG_PYTHON_ENV = "DIFFUSIONRL_SGLANG_PYTHON"
 LOOPBACK = "127.0.0.1"
@@ -231,6 +233,12 @@ class SGLangServer:
             why = f" ({UNSERVED_FAMILIES[family]})" if family in UNSERVED_FAMILIES else ""
             raise SGLangServerError(f"the sglang engine serves the families {sorted(SERVED_FAMILIES)}, "
                                     f"not {family!r}{why}; use sampling.engine=local")
+        fixed = FIXED_TEXT_TOKENS.get(family)
+        if fixed is not None and t5_tokens not in (None, fixed):
+            raise SGLangServerError(f"SGLang 0.5.23's {family} pipeline encodes prompts at {fixed} tokens whatever "
+                                    f"it is asked (its pipeline config drops the tokenizer's max_length), not at "
+                                    f"model.max_sequence_length={t5_tokens}; set model.max_sequence_length={fixed} "
+                                    "(the flux2-klein-base-4b-pickscore recipe's) or use sampling.engine=local")
         self.python = python
         self.model_path = model_path
         self.precision = precision
