@@ -51,7 +51,8 @@ UNSERVED_FAMILIES = {
                     "sgl_kernel lacks: /rollout/generate answers HTTP 500 on the first forward"),
     "zimage": "SGLang's Z-Image DiT reads num_attention_heads and num_layers where diffusers' config has n_heads "
               "and n_layers (it falls back to diffusers' transformer, which has no rotary_emb for its rollout path: "
-              "HTTP 500), and with the keys added it takes one caption per request (a batch of 2 answers HTTP 500)",
+              "HTTP 500), with the keys added it takes one caption per request (a batch of 2 answers HTTP 500), and "
+              "its DiT fuses to_q/to_k/to_v into one to_qkv, which the LoRA push (by diffusers' names) does not map",
     "flux-kontext": "an editing family: its input image enters the transformer as extra tokens beside the noisy "
                     "latents, and the engine's rollout requests (protocol.py) carry prompts and seeds only, with no "
                     "input image nor its latents to send",
