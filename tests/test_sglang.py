@@ -7,6 +7,7 @@ module; the two training runs launch their own (the engine owns its server).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -399,15 +400,31 @@ def test_server_killed_mid_run_is_survived(stack, trained, tmp_path):
 # -- FLUX.1 (builtin:tiny-flux) through the same engine ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def flux_stack():
-    """(cfg, adapter, policy, engine) for tiny-cpu-flux served by SGLang's native FLUX.1 pipeline."""
+@contextlib.contextmanager
+def pushed_perturbation(policy, engine):
+    """The policy's LoRA perturbed and pushed to the server (weights verified), restored and pushed back after;
+    yields a batch (prompts, groups, seeds) and an SDE mask on the first 3 of 4 steps."""
+    original = policy.lora_state()
+    policy.load_lora_state(perturbed(original))
+    try:
+        engine.update_weights(policy.lora_state(), 1)  # verify_weights: per-tensor and module checksums
+        mask = np.zeros((4, 4), dtype=bool)
+        mask[:, :3] = True
+        yield (*batch(), mask)
+    finally:
+        policy.load_lora_state(original)
+        engine.update_weights(original, 0)
+
+
+def served_stack(preset: str, *overrides: str):
+    """(cfg, adapter, policy, engine) for ``preset`` served by SGLang's native pipeline of its family, weights
+    verified on every push, the LoRA's initial state pushed; the engine closed after."""
     if not sglang_available():
         pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
     from diffusionrl.models import load_adapter
     from diffusionrl.training.policy import LoraPolicy
 
-    cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", preset="tiny-cpu-flux")
+    cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", *overrides, preset=preset)
     adapter = load_adapter(cfg.model)
     policy = LoraPolicy(adapter, cfg.model, seed=0)
     engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
@@ -418,19 +435,19 @@ def flux_stack():
         engine.close()
 
 
+@pytest.fixture(scope="module")
+def flux_stack():
+    """tiny-cpu-flux served by SGLang's native FLUX.1 pipeline."""
+    yield from served_stack("tiny-cpu-flux")
+
+
 @requires_sglang
 def test_flux_is_served_with_a_pushed_lora_and_recomputed_exactly(flux_stack):
     """Packed latent tokens come back as spatial latents, the server's embedded guidance is the
     spec's, pushed weights verify (names match SGLang's FLUX module), and our trainer recomputes
     the server's log-probs (measured: 6e-8)."""
     cfg, adapter, policy, engine = flux_stack
-    original = policy.lora_state()
-    policy.load_lora_state(perturbed(original))
-    try:
-        engine.update_weights(policy.lora_state(), 1)  # verify_weights: per-tensor and module checksums
-        prompts, groups, seeds = batch()
-        mask = np.zeros((4, 4), dtype=bool)
-        mask[:, :3] = True
+    with pushed_perturbation(policy, engine) as (prompts, groups, seeds, mask):
         flux_spec = spec(guidance_scale=3.5)
         traj = engine.generate(prompts, groups, seeds, flux_spec, mask)
         assert traj.latents.shape == (4, 5, 16, 4, 4) and traj.conditioning.negative_prompt_embeds is None
@@ -443,34 +460,17 @@ def test_flux_is_served_with_a_pushed_lora_and_recomputed_exactly(flux_stack):
         assert pairs == 12 and diff <= 1e-5, f"log_prob_mean_abs_diff {diff:.3e}"
         with pytest.raises(Exception, match="embedded guidance 3.5"):
             engine.generate(prompts, groups, seeds, spec(guidance_scale=2.0), mask)
-    finally:
-        policy.load_lora_state(original)
-        engine.update_weights(original, 0)
 
 
 # FLUX.2 presets served: [dev] at its preset's text length, [klein] base at the 512 tokens SGLang fixes
-FLUX2_SERVED = {"flux2": ("tiny-cpu-flux2",), "flux2-klein": ("tiny-cpu-flux2-klein", "model.max_sequence_length=512")}
+FLUX2_SERVED = {"flux2": ("tiny-cpu-flux2", SLOW_START),
+                "flux2-klein": ("tiny-cpu-flux2-klein", SLOW_START, "model.max_sequence_length=512")}
 
 
 @pytest.fixture(scope="module", params=list(FLUX2_SERVED))
 def flux2_stack(request):
-    """(cfg, adapter, policy, engine) for a FLUX.2 preset served by SGLang's native FLUX.2 pipeline."""
-    if not sglang_available():
-        pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
-    from diffusionrl.models import load_adapter
-    from diffusionrl.training.policy import LoraPolicy
-
-    preset, *overrides = FLUX2_SERVED[request.param]
-    cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", SLOW_START, *overrides,
-                      preset=preset)
-    adapter = load_adapter(cfg.model)
-    policy = LoraPolicy(adapter, cfg.model, seed=0)
-    engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
-    try:
-        engine.update_weights(policy.lora_state(), 0)
-        yield cfg, adapter, policy, engine
-    finally:
-        engine.close()
+    """A FLUX.2 preset served by SGLang's native FLUX.2 pipeline."""
+    yield from served_stack(*FLUX2_SERVED[request.param])
 
 
 @requires_sglang
@@ -483,13 +483,7 @@ def test_flux2_is_served_with_a_pushed_lora_and_recomputed_exactly(flux2_stack):
     cfg, adapter, policy, engine = flux2_stack
     cfg_pass = adapter.needs_negative(cfg.sampling.guidance_scale)
     assert cfg_pass == (adapter.family == "flux2-klein")
-    original = policy.lora_state()
-    policy.load_lora_state(perturbed(original))
-    try:
-        engine.update_weights(policy.lora_state(), 1)  # verify_weights: per-tensor and module checksums
-        prompts, groups, seeds = batch()
-        mask = np.zeros((4, 4), dtype=bool)
-        mask[:, :3] = True
+    with pushed_perturbation(policy, engine) as (prompts, groups, seeds, mask):
         served_spec = spec(guidance_scale=cfg.sampling.guidance_scale, negative_prompt=cfg.sampling.negative_prompt,
                            max_sequence_length=cfg.model.max_sequence_length)
         traj = engine.generate(prompts, groups, seeds, served_spec, mask)
@@ -512,6 +506,3 @@ def test_flux2_is_served_with_a_pushed_lora_and_recomputed_exactly(flux2_stack):
         if not cfg_pass:
             with pytest.raises(Exception, match=f"embedded guidance {cfg.sampling.guidance_scale:g}"):
                 engine.generate(prompts, groups, seeds, spec(guidance_scale=2.0), mask)
-    finally:
-        policy.load_lora_state(original)
-        engine.update_weights(original, 0)
