@@ -26,11 +26,11 @@ Mapping of our contract to SGLang's (sglang 0.5.23, SD3):
   ``pooled_projections``; FLUX.2 has none: ``[B, 0]`` as its adapter's) -> ``Conditioning``. The server
   encodes T5 (FLUX.2's Mistral) at ``model.max_sequence_length`` tokens, as the local engine does
   (``server.text_encoder_args``: SD3 then conditions on ``77 + max_sequence_length`` tokens, not SGLang's
-  fixed 77 + 256; FLUX.1 and FLUX.2 on ``max_sequence_length``, not 512).
+  fixed 77 + 256; FLUX.1 and FLUX.2 on ``max_sequence_length``, not 512). A request's ``max_sequence_length``
+  is not sent: in 0.5.23 it would cut SD3's CLIP encoders too and is not applied to the negative prompt.
 - a guidance-distilled family's embedded scale comes back in ``denoising_env.guidance``, in the unit
   its SGLang pipeline feeds the DiT (``GUIDANCE_UNIT``: FLUX.1's scale x 1000, FLUX.2's as is), and is
-  checked against the spec's. A request's ``max_sequence_length`` is not sent: in 0.5.23 it would cut SD3's CLIP
-  encoders too and is not applied to the negative prompt.
+  checked against the spec's.
 - images: ``generated_output`` (float ``[3, H, W]`` in [0, 1]) -> uint8 ``[H, W, 3]``.
 """
 
