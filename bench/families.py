@@ -52,7 +52,7 @@ from learning import run as learning_run
 from diffusionrl.config import load_config
 from diffusionrl.data import load_prompts
 from diffusionrl.data.images import row_images
-from diffusionrl.models import load_adapter
+from diffusionrl.models import QwenImageEditAdapter, load_adapter
 from diffusionrl.rollout.base import SamplingSpec
 from diffusionrl.rollout.local import LocalRolloutEngine
 from diffusionrl.train import build_loop
@@ -63,8 +63,6 @@ FAMILIES = {"sd3": "tiny-cpu", "flux": "tiny-cpu-flux", "qwen-image": "tiny-cpu-
             "zimage": "tiny-cpu-zimage", "flux2": "tiny-cpu-flux2", "flux2-klein": "tiny-cpu-flux2-klein",
             "wan22": "tiny-cpu-wan22", "flux-kontext": "tiny-cpu-flux-kontext",
             "qwen-image-edit": "tiny-cpu-qwen-image-edit", "qwen-image-edit-v1": "tiny-cpu-qwen-image-edit-v1"}
-# Families whose stock pipeline edits one prompt a call at a fixed input area (stock_one_by_one)
-ONE_BY_ONE = ("qwen-image-edit", "qwen-image-edit-v1")
 # family -> its parity variants: (name, overrides of its preset, the stock pipeline's own arguments for them)
 VARIANTS = {"wan22": [("guidance_scale_2", ["sampling.guidance_scale=4.0", "sampling.guidance_scale_2=3.0"],
                        ("guidance_scale_2",))]}
@@ -92,7 +90,7 @@ def stock(adapter, spec: SamplingSpec, metadata: list[dict] | None = None, **kwa
     the rows' input images for an editing family: its ``.frames`` (video) or ``.images``."""
     from PIL import Image
 
-    if adapter.family in ONE_BY_ONE:
+    if isinstance(adapter, QwenImageEditAdapter):  # both pipelines: one prompt a call, a fixed input area
         return stock_one_by_one(adapter, spec, metadata, **kwargs)
     frames = {"num_frames": spec.num_frames} if adapter.video else {}
     if spec.guidance_scale_2 is not None:  # Wan2.2: the low-noise expert's CFG scale

@@ -64,9 +64,12 @@ class Flux2Adapter(FlowAdapter):
         return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps),
                 "mu": compute_empirical_mu(image_seq_len=h * w, num_steps=num_steps)}
 
-    def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+    def from_tokens(self, tokens: torch.Tensor, resolution: int) -> torch.Tensor:
         _, h, w = self.latent_shape(resolution)
-        return unpack_tokens(latents, h, w)
+        return unpack_tokens(tokens, h, w)
+
+    def from_pipeline_latents(self, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+        return self.from_tokens(latents, resolution)  # Flux2Pipeline's output_type="latent" is the token sequence
 
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
         embeds, _ = self.pipe.encode_prompt(prompt=list(texts), device=self.device,
@@ -142,7 +145,3 @@ class Flux2KleinAdapter(Flux2Adapter):
         z = type(self.pipe)._patchify_latents(latents)
         mean, std = self._bn(z)
         return (z - mean) / std
-
-    def from_tokens(self, tokens: torch.Tensor, resolution: int) -> torch.Tensor:
-        # the tokens are FLUX.2 [dev]'s (one 128-channel token per position); only the pipeline's output differs
-        return Flux2Adapter.from_pipeline_latents(self, tokens, resolution)

@@ -112,17 +112,18 @@ def build_tiny_qwen_image_edit_components() -> dict:
     return frozen({**components, "tokenizer": tok, "processor": processor})
 
 
-def build_tiny_qwen_image_edit_pipeline():
-    from diffusers import QwenImageEditPlusPipeline
+def _tiny_edit_pipeline(pipeline_class: str):
+    """The tiny components in diffusers' ``pipeline_class``, its template prefix checked."""
+    import diffusers
 
-    pipe = QwenImageEditPlusPipeline(**build_tiny_qwen_image_edit_components())
+    pipe = getattr(diffusers, pipeline_class)(**build_tiny_qwen_image_edit_components())
     check_template_prefix(pipe)
     return pipe
+
+
+def build_tiny_qwen_image_edit_pipeline():
+    return _tiny_edit_pipeline("QwenImageEditPlusPipeline")
 
 
 def build_tiny_qwen_image_edit_v1_pipeline():
-    from diffusers import QwenImageEditPipeline
-
-    pipe = QwenImageEditPipeline(**build_tiny_qwen_image_edit_components())
-    check_template_prefix(pipe)
-    return pipe
+    return _tiny_edit_pipeline("QwenImageEditPipeline")

@@ -134,6 +134,15 @@ def _sampling(info: dict) -> list[str]:
             output.format(", ".join(args)), "```"]
 
 
+# Editing pipelines that encode the input image at a fixed area whatever the output's: how each does it
+_FIXED_INPUT_AREA = {
+    "QwenImageEditPlusPipeline": "VAE-encodes the input image at 1024x1024 pixels of area (its module's "
+                                 "`VAE_IMAGE_SIZE`)",
+    "QwenImageEditPipeline": "resizes the input image to 1024x1024 pixels of area (`calculate_dimensions(1024 * "
+                             "1024, ...)` in its call) for both its text encoder and its VAE,",
+}
+
+
 def _served(info: dict) -> list[str]:
     """The registered MLflow model's snippet: a prompt (and an editing model's input image) -> PNG or GIF bytes."""
     name = info.get("registered_model") or "<registered model>"
@@ -149,16 +158,11 @@ def _served(info: dict) -> list[str]:
              "```python", "from pathlib import Path", "", "import mlflow", "import pandas as pd", "", load,
              f"image = Path({json.dumps(_INPUT)}).read_bytes()  # the image to edit (PNG, JPEG, ...)",
              'edits = model.predict(pd.DataFrame({"prompt": ["make the square blue"], "image": [image]}))', "```"]
-    if info.get("pipeline_class") == "QwenImageEditPlusPipeline":
-        lines += ["", "The stock `QwenImageEditPlusPipeline` VAE-encodes the input image at 1024x1024 pixels of area "
-                      "(its module's `VAE_IMAGE_SIZE`) whatever the output size; this LoRA was trained with it at the "
-                      "output's area, which the registered model serves (diffusionrl's "
+    fixed = _FIXED_INPUT_AREA.get(info.get("pipeline_class") or "")
+    if fixed:
+        lines += ["", f"The stock `{info['pipeline_class']}` {fixed} whatever the output size; this LoRA was trained "
+                      "with it at the output's area, which the registered model serves (diffusionrl's "
                       "`serving/request_limits.area_bound_call`)."]
-    if info.get("pipeline_class") == "QwenImageEditPipeline":
-        lines += ["", "The stock `QwenImageEditPipeline` resizes the input image to 1024x1024 pixels of area "
-                      "(`calculate_dimensions(1024 * 1024, ...)` in its call) for both its text encoder and its VAE, "
-                      "whatever the output size; this LoRA was trained with it at the output's area, which the "
-                      "registered model serves (diffusionrl's `serving/request_limits.area_bound_call`)."]
     return lines
 
 
