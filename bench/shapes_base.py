@@ -56,6 +56,25 @@ def labelled_grid(images: np.ndarray, prompts: list[str], per_prompt: int, cols:
     return np.asarray(canvas)
 
 
+def with_lora(adapter, lora: str | None):
+    """The adapter's transformer, with ``lora`` (a run's ``lora/`` folder or one of its checkpoints,
+    ``checkpoints/step-NNNNNN``) applied when given."""
+    if lora and (Path(lora) / "lora.safetensors").is_file():  # a run's checkpoint (step-NNNNNN/)
+        from safetensors.torch import load_file
+
+        from diffusionrl.training.policy import LoraPolicy
+
+        run_cfg = load_config(file=Path(lora).parent.parent / "config.json")
+        policy = LoraPolicy(adapter, run_cfg.model, seed=run_cfg.train.seed)
+        policy.load_lora_state(load_file(str(Path(lora) / "lora.safetensors")))
+        return policy.model
+    if lora:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(adapter.transformer, lora).eval()
+    return adapter.transformer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=4, help="samples per prompt")
@@ -68,20 +87,7 @@ def main() -> None:
     cfg = load_config("tiny-cpu-shapes", overrides=args.overrides)
     rows = getattr(load_prompts(cfg.data), args.split)
     adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
-    transformer = adapter.transformer
-    if args.lora and (Path(args.lora) / "lora.safetensors").is_file():  # a run's checkpoint (step-NNNNNN/)
-        from safetensors.torch import load_file
-
-        from diffusionrl.training.policy import LoraPolicy
-
-        run_cfg = load_config(file=Path(args.lora).parent.parent / "config.json")
-        policy = LoraPolicy(adapter, run_cfg.model, seed=run_cfg.train.seed)
-        policy.load_lora_state(load_file(str(Path(args.lora) / "lora.safetensors")))
-        transformer = policy.model
-    elif args.lora:
-        from peft import PeftModel
-
-        transformer = PeftModel.from_pretrained(transformer, args.lora).eval()
+    transformer = with_lora(adapter, args.lora)
     k = args.seeds
     prompts, groups, seeds, metadata = eval_samples(rows, k, cfg.eval.seed)  # the evaluation's samples
     t0 = time.perf_counter()
