@@ -11,13 +11,23 @@ objects and shapeless blobs per image, the diversity (``heldout.diversity``), an
 checkpoints: ``runs/x/checkpoints/step-000100``): on ``--split train``, how well a run learned the
 prompts it trained on, next to the held-out split's figure.
 
+The samples are the evaluation's (seeds from ``eval.seed``); ``--seed S`` draws others. Many seeds of
+the training prompts (``--split train --seeds 32 --seed 100000``) give each category's success of one
+sample against its share of prompts with a success among all of them: how far sharpening could go.
+``--parquet PATH`` writes up to ``--cap`` successful samples of each prompt as ``prompt`` and ``image``
+(PNG bytes) columns, the input of ``algorithm.name=sft`` (``algorithm.sft_source=PATH``): rejection-
+sampling fine-tuning on the model's own strict successes (draw them with a ``--seed`` away from
+``eval.seed``'s, so no evaluated sample is trained on).
+
     python bench/shapes_base.py [--seeds 4] [--split test] [--grid docs/images/shapes-base.png]
                                 [--set eval.guidance_scale=3] [--lora runs/x/lora]
+                                [--seed 100000 --parquet runs/successes.parquet --cap 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import time
 from pathlib import Path
 
@@ -75,6 +85,26 @@ def with_lora(adapter, lora: str | None):
     return adapter.transformer
 
 
+def write_successes(path: str, prompts: list[str], groups: list[int], images: np.ndarray, success: np.ndarray,
+                    cap: int) -> dict:
+    """Up to ``cap`` successful samples of each prompt as a ``prompt``, ``image`` (PNG bytes) parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    kept: dict[int, int] = {}
+    texts, pngs = [], []
+    for prompt, group, image, ok in zip(prompts, groups, images, success):
+        if ok and kept.get(group, 0) < cap:
+            kept[group] = kept.get(group, 0) + 1
+            buf = io.BytesIO()
+            Image.fromarray(image).save(buf, format="PNG")
+            texts.append(prompt)
+            pngs.append(buf.getvalue())
+    pq.write_table(pa.table({"prompt": texts, "image": pngs}), path)
+    return {"parquet": path, "kept": len(texts), "prompts_kept": len(kept)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=4, help="samples per prompt")
@@ -83,24 +113,32 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--lora", default=None, help="a LoRA folder a run on builtin:tiny-sd3-shapes wrote, or one of "
                     "its checkpoints (runs/x/checkpoints/step-NNNNNN)")
+    ap.add_argument("--seed", type=int, default=None, help="the first sample's seed (default: eval.seed's samples)")
+    ap.add_argument("--parquet", default=None, help="write the successes here (prompt, PNG image bytes)")
+    ap.add_argument("--cap", type=int, default=8, help="at most this many successes of a prompt in --parquet")
     args = ap.parse_args()
     cfg = load_config("tiny-cpu-shapes", overrides=args.overrides)
     rows = getattr(load_prompts(cfg.data), args.split)
     adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
     transformer = with_lora(adapter, args.lora)
     k = args.seeds
-    prompts, groups, seeds, metadata = eval_samples(rows, k, cfg.eval.seed)  # the evaluation's samples
+    seed = cfg.eval.seed if args.seed is None else args.seed  # by default the evaluation's samples
+    prompts, groups, seeds, metadata = eval_samples(rows, k, seed)
     t0 = time.perf_counter()
     traj = LocalRolloutEngine(adapter, transformer, 32).generate(
         prompts, groups, seeds, eval_spec(cfg), None, metadata)
     result = GenEvalMini()(traj.images, prompts, metadata)
     success = result.per_sample["success"]
     cats = np.array([m["category"] for m in metadata])
-    per = {c: round(float(success[cats == c].mean()), 4) for c in CATEGORIES if (cats == c).any()}
-    out = {"split": args.split, "lora": args.lora, "prompts": len(rows), "samples_per_prompt": k,
+    present = [c for c in CATEGORIES if (cats == c).any()]
+    per = {c: round(float(success[cats == c].mean()), 4) for c in present}
+    groups_a = np.asarray(groups)
+    out = {"split": args.split, "lora": args.lora, "prompts": len(rows), "samples_per_prompt": k, "seed": seed,
            "success": per, "overall": round(float(success.mean()), 4),
            "categories_mean": round(float(np.mean(list(per.values()))), 4),
            "prompts_with_a_success": round(prompts_with_a_success(success, groups), 4),
+           "prompts_with_a_success_by_category": {
+               c: round(prompts_with_a_success(success[cats == c], groups_a[cats == c]), 4) for c in present},
            "objects_per_image": round(result.info["objects_per_image"], 3),
            "blobs_per_image": round(result.info["blobs_per_image"], 3),
            "diversity": round(diversity(traj.images, prompts), 4),
@@ -112,6 +150,8 @@ def main() -> None:
 
         Image.fromarray(labelled_grid(traj.images, prompts, k)).save(args.grid, optimize=True)
         out["grid"] = args.grid
+    if args.parquet:
+        out.update(write_successes(args.parquet, prompts, groups, traj.images, success, args.cap))
     _common.emit(out)
 
 

@@ -3,7 +3,7 @@
 A diagnostic of GenEval in miniature (README, "GenEval in miniature"): why RL's gain on held-out prompts
 stays small. The base model's ODE map sends each initial noise ``x1`` to a picture ``x0``; per
 training prompt only some noises end in a picture the strict judge accepts (pass@1 ~0.19, while
-nearly every prompt has a success among 32 seeds: ``bench/shapes_best_of_n.py``). RL has to move the
+nearly every prompt has a success among 32 seeds: ``bench/shapes_base.py --seeds 32``). RL has to move the
 failing noises' trajectories onto successes. This bench does that move by supervision, as directly as
 it can be done: it samples ``--n`` pictures of each training prompt with the evaluation's ODE sampler
 (keeping each sample's ``x1`` and ``x0``), and fits a LoRA (the preset's targets, rank and alpha) to the
