@@ -41,6 +41,40 @@ def test_a_few_steps_lower_both_losses_and_a_rerun_resumes(tmp_path):
         main(args + ["--transformer-steps", "50", "--seed", "1"])
 
 
+def test_fresh_scenes_each_step_resume_to_the_uninterrupted_weights(tmp_path):
+    """--fresh draws and encodes new scenes every step (seeded by the step), so an interrupted run resumes
+    to the same weights as one that was not, and they differ from training on the bank."""
+    from safetensors.torch import load_file
+
+    def run(name, *steps):
+        out = tmp_path / f"{name}.safetensors"
+        for n in steps:
+            main(["--work", str(tmp_path / name), "--out", str(out), "--vae-steps", "10",
+                  "--transformer-steps", str(n), "--fresh", *FEW])
+        return load_file(str(out))
+
+    whole, resumed = run("whole", 12), run("resumed", 6, 12)
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    # a finished run re-exports; --folder is the same model as a diffusers folder, which model.name loads
+    from diffusionrl.models import load_pipeline
+
+    main(["--work", str(tmp_path / "whole"), "--out", str(tmp_path / "again.safetensors"), "--vae-steps", "10",
+          "--transformer-steps", "12", "--fresh", "--folder", str(tmp_path / "folder"), *FEW])
+    pipe = load_pipeline(str(tmp_path / "folder"))
+    assert torch.equal(pipe.transformer.proj_out.weight, whole["transformer.proj_out.weight"])
+    vae = build_shapes_components(tmp_path / "whole.safetensors")["vae"]
+    assert pipe.vae.config.scaling_factor == vae.config.scaling_factor
+    bank = tmp_path / "bank.safetensors"
+    main(["--work", str(tmp_path / "bank"), "--out", str(bank), "--vae-steps", "10", "--transformer-steps", "12",
+          *FEW])
+    other = load_file(str(bank))
+    assert not torch.equal(other["transformer.proj_out.weight"], whole["transformer.proj_out.weight"])
+    with pytest.raises(SystemExit, match="other settings"):  # --fresh binds once the transformer has started
+        main(["--work", str(tmp_path / "whole"), "--out", str(bank), "--vae-steps", "10", "--transformer-steps",
+              "14", *FEW])
+
+
 def test_shipped_weights_match_the_digest_in_the_docs():
     docs = (ROOT / "docs" / "architecture.md").read_text()
     documented = re.search(r"tiny_sd3_shapes\.safetensors` sha256 `([0-9a-f]{64})`", docs)

@@ -10,12 +10,15 @@ and when the process is told to stop, e.g. by ``timeout``; a re-run with the sam
    objective: ``x_t = (1 - s) x_0 + s e``, target ``e - x_0``, ``s`` logit-normal) on a bank of
    encoded scenes, conditioned on the text encoders' embeddings of each scene's prompt (10 % of them
    replaced by the empty prompt's, so that classifier-free guidance works); an exponential moving
-   average of their weights (``--ema``) is what is exported.
+   average of their weights (``--ema``) is what is exported. With ``--fresh`` every step draws and
+   encodes new scenes instead (seeded by the step, so a resume repeats them; ~1.5x the time a step):
+   no scene is seen twice, and the bank only gives the latents' mean and std.
 
 ``curves.jsonl`` gets one line per ``--log-every`` steps (stage, step, mean loss, wall seconds),
 ``summary.json`` the wall time and final losses, ``--out`` the weights (safetensors; by default the
 file this package ships, ``models/tiny_sd3_shapes.safetensors``; the metadata holds the VAE's latent
-shift and scale and ``--scheduler-shift``).
+shift and scale and ``--scheduler-shift``), and ``--folder`` the same model as a diffusers folder, which
+any preset loads with ``--set model.name=FOLDER``. Re-running a finished ``--work`` only exports again.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from .tiny_shapes import MAX_SEQUENCE_LENGTH, SCHEDULER_SHIFT, SHAPES_WEIGHTS, T
 log = logging.getLogger("diffusionrl.pretrain")
 
 
-TRANSFORMER_ARGS = ("lr", "bank", "cfg_dropout", "ema")
+TRANSFORMER_ARGS = ("lr", "bank", "cfg_dropout", "ema", "fresh")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -135,6 +138,7 @@ class Pretrainer(Checkpointed):
             return
         saved = torch.load(path, weights_only=False)
         fixed = self._fixed_args()
+        saved["args"] = {"fresh": False, **saved["args"]}  # states written before --fresh existed
         if not saved["state"]["tr_step"]:  # the transformer's settings bind once its stage has started
             fixed = {k: v for k, v in fixed.items() if k not in TRANSFORMER_ARGS}
         changed = sorted(k for k in fixed if saved["args"].get(k) != fixed[k])
@@ -154,7 +158,7 @@ class Pretrainer(Checkpointed):
     def _fixed_args(self) -> dict:
         a = vars(self.args)
         return {k: a[k] for k in ("seed", "batch", "resolution", "vae_lr", "lr", "test_fraction", "split_seed",
-                                  "bank", "kl_weight", "cfg_dropout", "ema")}
+                                  "bank", "kl_weight", "cfg_dropout", "ema", "fresh")}
 
     def save(self) -> None:
         self.state["wall_s"] += time.perf_counter() - self.t0
@@ -212,15 +216,23 @@ class Pretrainer(Checkpointed):
         stats = self.state["stats"]
         self.vae.register_to_config(**stats)
         latents = (raw - stats["shift_factor"]) * stats["scaling_factor"]
-        unique = sorted(set(prompts)) + [""]
+        # the prompts encoded each step (with --fresh every training prompt, which a small bank may not hold)
+        unique = sorted({r["prompt"] for r in self.train_rows} if a.fresh else set(prompts)) + [""]
         index = torch.tensor([unique.index(p) for p in prompts])
         self.denoiser.train().requires_grad_(True)
         losses: list[float] = []
         for step in range(self.state["tr_step"], a.transformer_steps):
             gen = torch.Generator().manual_seed(a.seed * 1_000_003 + 500_000 + step)
-            pick = torch.randint(len(latents), (a.batch,), generator=gen)
-            x0 = latents[pick]
-            cond = index[pick].clone()
+            if a.fresh:  # scenes drawn afresh each step, seeded by (seed, step): no scene is seen twice
+                scenes = scene_pairs(self.train_rows, a.batch, a.resolution, seed=a.seed * 1_000_003 + 300_000 + step)
+                with torch.no_grad():
+                    x0 = (self.vae.encode(_images(scenes)).latent_dist.mode() - stats["shift_factor"]) \
+                        * stats["scaling_factor"]
+                cond = torch.tensor([unique.index(s["prompt"]) for s in scenes])
+            else:
+                pick = torch.randint(len(latents), (a.batch,), generator=gen)
+                x0 = latents[pick]
+                cond = index[pick].clone()
             cond[torch.rand(a.batch, generator=gen) < a.cfg_dropout] = len(unique) - 1
             sigma = torch.sigmoid(torch.randn(a.batch, generator=gen)).view(-1, 1, 1, 1)
             noise = torch.randn(x0.shape, generator=gen)
@@ -261,6 +273,8 @@ class Pretrainer(Checkpointed):
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {**self.state["stats"], "scheduler_shift": self.args.scheduler_shift}
         save_file(tensors, str(out), metadata={"diffusionrl": json.dumps(meta, sort_keys=True)})
+        if self.args.folder:  # a diffusers folder of the exported model, for model.name
+            build_shapes_pipeline(weights=out).save_pretrained(self.args.folder)
         tail = self.args.log_every
         summary = {
             "wall_s": round(self.state["wall_s"], 1), "vae_steps": self.state["vae_step"],
@@ -279,6 +293,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="runs/pretrain-shapes", help="state, curves and summary (resumed if present)")
     ap.add_argument("--out", default=str(SHAPES_WEIGHTS), help="where the weights go (safetensors)")
+    ap.add_argument("--folder", default="",
+                    help="also save the exported model as a diffusers folder (model.name=FOLDER loads it)")
     ap.add_argument("--vae-steps", type=int, default=1500)
     ap.add_argument("--transformer-steps", type=int, default=7000)
     ap.add_argument("--batch", type=int, default=32)
@@ -287,7 +303,10 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3, help="transformer learning rate")
     ap.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the per-element VAE KL term")
     ap.add_argument("--cfg-dropout", type=float, default=0.1, help="share of empty-prompt conditioning")
-    ap.add_argument("--bank", type=int, default=8192, help="encoded scenes the transformer trains on")
+    ap.add_argument("--bank", type=int, default=8192,
+                    help="encoded scenes the transformer trains on (with --fresh, only the latents' mean and std)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="train the transformer on scenes drawn and encoded afresh each step instead of the bank")
     ap.add_argument("--ema", type=float, default=0.999, help="EMA decay of the exported transformer and text encoders")
     ap.add_argument("--scheduler-shift", type=float, default=SCHEDULER_SHIFT,
                     help="the sampling schedule's sigma shift, stored with the weights")
