@@ -27,7 +27,6 @@ sampling fine-tuning on the model's own strict successes (draw them with a ``--s
 from __future__ import annotations
 
 import argparse
-import io
 import time
 from pathlib import Path
 
@@ -90,17 +89,16 @@ def write_successes(path: str, prompts: list[str], groups: list[int], images: np
     """Up to ``cap`` successful samples of each prompt as a ``prompt``, ``image`` (PNG bytes) parquet."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from PIL import Image
+
+    from diffusionrl.data.shape_edits import png_bytes
 
     kept: dict[int, int] = {}
     texts, pngs = [], []
     for prompt, group, image, ok in zip(prompts, groups, images, success):
         if ok and kept.get(group, 0) < cap:
             kept[group] = kept.get(group, 0) + 1
-            buf = io.BytesIO()
-            Image.fromarray(image).save(buf, format="PNG")
             texts.append(prompt)
-            pngs.append(buf.getvalue())
+            pngs.append(png_bytes(image))
     pq.write_table(pa.table({"prompt": texts, "image": pngs}), path)
     return {"parquet": path, "kept": len(texts), "prompts_kept": len(kept)}
 
