@@ -121,13 +121,20 @@ def dump_preset(preset: str, file: str | Path | None = None, overrides: list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m diffusionrl.config --preset NAME [--set k=v ...]``: print the full config as YAML."""
+    """``python -m diffusionrl.config --preset NAME [--set k=v ...]``: print the full config as YAML;
+    ``--reference``: print the configuration reference (``docs/config.md``) instead."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m diffusionrl.config")
     ap.add_argument("--preset", default="tiny-cpu", help=f"one of {', '.join(PRESETS)}")
     ap.add_argument("--config", default=None, help="YAML/JSON file applied over the preset")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--reference", action="store_true",
+                    help="print every key of both config trees (type, default, help) as Markdown: docs/config.md")
     args = ap.parse_args(argv)
+    if args.reference:
+        from .reference import reference
+
+        return run_cli(lambda: print(reference(), end=""))
     return run_cli(lambda: print(dump_preset(args.preset, args.config, args.overrides), end=""))
 

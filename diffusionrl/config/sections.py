@@ -24,8 +24,9 @@ from .tree import (
 @dataclass
 class ModelConfig:
     name: str = option(
-        "builtin:tiny-sd3", "Model reference: 'builtin:tiny-sd3' | 'builtin:tiny-flux', a local diffusers folder, or a "
-        "hub id; the family (SD3, FLUX.1) is read from its model_index.json"
+        "builtin:tiny-sd3", "Model reference: a builtin ('builtin:tiny-sd3', 'builtin:tiny-flux', ...: "
+        "docs/families.md), a local diffusers folder, or a hub id; the family is read from the folder's or hub's "
+        "model_index.json"
     )
     revision: str = option("", "Hub revision (branch, tag or commit); empty for the default branch")
     dtype: Literal["float32", "float16", "bfloat16"] = option(
