@@ -1,4 +1,4 @@
-"""GPU scale-out benchmark (issue 7): an SD3.5-medium-sized transformer with random weights at
+"""GPU scale-out benchmark: an SD3.5-medium-sized transformer with random weights at
 512 px with LoRA r=32 (fp16 base, fp32 LoRA, fp16 autocast), measuring
 
 - ``ipc_push_s``: one weight push of the merged LoRA layers (``W0 + s * B @ A``, fp16) as CUDA IPC

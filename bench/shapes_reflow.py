@@ -1,6 +1,6 @@
 """Can supervised training on the model's own noise -> picture map sharpen it, and does it carry over?
 
-A diagnostic of GenEval in miniature (README, "GenEval in miniature"): why RL's gain on held-out prompts
+A diagnostic of GenEval in miniature (bench/README.md, "GenEval in miniature"): why RL's gain on held-out prompts
 stays small. The base model's ODE map sends each initial noise ``x1`` to a picture ``x0``; per
 training prompt only some noises end in a picture the strict judge accepts (pass@1 ~0.19, while
 nearly every prompt has a success among 32 seeds: ``bench/shapes_base.py --seeds 32``). RL has to move the

@@ -178,8 +178,8 @@ TINY_CPU_SFT: dict[str, Any] = {
 # (pretrained on the shapes world by diffusionrl.models.pretrain) with the strict geneval_mini reward on
 # builtin:shapes prompts, CFG-free (rollouts, probes and evaluation at g = 1, as DiffusionNFT trains), each
 # prompt group re-noised with shared noise (algorithm.group_renoise); the split is the one the model was
-# pretrained on (its held-out prompts never drawn). Chosen by bench/geneval_mini.py (README "GenEval in
-# miniature"): Flow-GRPO at CFG 4.5 lost held-out success at every lr tried; NFT without group re-noising
+# pretrained on (its held-out prompts never drawn). Chosen by bench/geneval_mini.py (bench/README.md, "GenEval
+# in miniature"): Flow-GRPO at CFG 4.5 lost held-out success at every lr tried; NFT without group re-noising
 # did not move it; at lr 3e-3 it fell.
 TINY_CPU_SHAPES: dict[str, Any] = {
     "model": {"name": "builtin:tiny-sd3-shapes", "max_sequence_length": 16},

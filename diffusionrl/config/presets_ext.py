@@ -4,7 +4,7 @@ shape edits and Qwen-Image-Edit.
 ``TINY_EXT_PRESETS`` are laid over ``presets.TINY_CPU`` (as every ``tiny-cpu-*`` preset);
 ``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both, and
 lays the Wan2.2 change sets over its Wan2.1 ones.
-The GPU recipes are not run here (no GPU, no network): their hub ids are the models' official
+The GPU recipes have not been run (no GPU has run this code): their hub ids are the models' official
 repositories, pinned to no revision (the default branch; set ``model.revision`` to a commit to pin).
 """
 
@@ -198,7 +198,7 @@ TINY_CPU_WAN22: dict[str, Any] = {
 # class); one rank would hold the pair twice (~123 GB). Loading peaks as one rank does (the full pair and the
 # engine's copy before sharding). No planner sizes for Wan2.2 (plan/archs.py), so the activations are unchecked.
 # CFG 4.0 on the high-noise expert's steps and 3.0 on the low-noise expert's (guidance_scale_2), the model
-# card's example (Wan2.2's own sample_guide_scale). Not run here; registered as two diffusers LoRA files, one
+# card's example (Wan2.2's own sample_guide_scale). Never run; registered as two diffusers LoRA files, one
 # per expert (serving/lora_export.py).
 WAN22_T2V_A14B_OCR: dict[str, Any] = {
     "model": {"name": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "lora_experts": "both"},
@@ -231,8 +231,8 @@ TINY_CPU_FLUX_KONTEXT: dict[str, Any] = {
 # as tiny-cpu-shapes does for generation. Instructions take up to 17 T5 tokens (the edit verbs are characters).
 # 3 of each sample's 9 noise levels a step (~7 s a step on 2 CPU cores), a cosine learning rate from 6e-4 and an
 # EMA of the LoRA for the evaluation: held-out success +0.054 / +0.023 / +0.046 over three seeds in 80 steps,
-# against +0.054 / +0.015 / -0.015 for 16 steps of all levels at a constant 1e-3 in the same 10 minutes (README,
-# "Image edits in the shapes world").
+# against +0.054 / +0.015 / -0.015 for 16 steps of all levels at a constant 1e-3 in the same 10 minutes
+# (bench/README.md, "Image edits in the shapes world").
 TINY_CPU_SHAPE_EDITS: dict[str, Any] = {
     "data": {"source": "builtin:shape-edits", "num_prompts": 256, "test_fraction": 0.2, "seed": 0},
     "model": {"name": "builtin:tiny-flux-kontext-shapes", "max_sequence_length": 20,
