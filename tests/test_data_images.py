@@ -74,7 +74,7 @@ def test_parquet_bytes_and_a_folder_layout_with_uris(tmp_path):
     pq.write_table(pa.table({"prompt": ["p0", "p1"], "image": [images[0], b"not an image"]}), tmp_path / "e.parquet")
     with pytest.raises(PromptDataError, match=r"e.parquet: row 2: the 'image' is not a readable image"):
         load_prompts(DataConfig(source=str(tmp_path / "e.parquet")))
-    # a folder in the train/test layout; an absolute file:// URI works as well as a relative path
+    # a folder in the train/test layout; a file:// URI inside the folder works as well as a relative path
     data = tmp_path / "set"
     data.mkdir()
     write_images(data)
@@ -82,7 +82,7 @@ def test_parquet_bytes_and_a_folder_layout_with_uris(tmp_path):
                                                 for i in range(3)) + "\n")
     (data / "test.jsonl").write_text(json.dumps({"prompt": "h", "image": (data / "imgs" / "3.png").as_uri()}) + "\n")
     ps = load_prompts(DataConfig(source=str(data)))
-    assert ps.test[0]["image_uri"] == (data / "imgs" / "3.png").as_uri()
+    assert ps.test[0]["image_uri"] == str((data / "imgs" / "3.png").resolve())  # the file it resolved to
     assert image_bytes(ps.test[0]["image"]) == (data / "imgs" / "3.png").read_bytes()
     assert [image_bytes(r["image"]) for r in ps.train] == [(data / "imgs" / f"{i}.png").read_bytes() for i in range(3)]
 
@@ -106,3 +106,51 @@ def test_one_instruction_on_several_images_is_several_rows_and_a_repeat_is_a_dup
     ps = load_prompts(DataConfig(source=str(tmp_path / "e.jsonl"), test_fraction=0.3))
     assert len(ps.train) + len(ps.test) == 4 and ps.stats["duplicate"] == 1
     assert {r["image_uri"] for r in ps.train + ps.test} == {str(tmp_path / "imgs" / f"{i}.png") for i in range(4)}
+
+
+def test_an_image_row_reads_only_its_own_dataset_folder(tmp_path):
+    """A row's image is read only from inside its dataset's folder (or an object store or the hub): an
+    escaping path, an absolute one outside, a symbolic link out of it, a file:// URI, a web or chained URL
+    are refused before anything is opened, and the refusal says nothing of the file (not its size)."""
+    data = tmp_path / "set"
+    data.mkdir()
+    write_images(data)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(png((1, 2, 3)))
+    (data / "link.png").symlink_to(outside / "secret.png")
+    refused = {"../outside/secret.png": "outside the dataset folder",
+               str(outside / "secret.png"): "outside the dataset folder",
+               "link.png": "outside the dataset folder",
+               "imgs/../../outside/secret.png": "outside the dataset folder",
+               "../../../../etc/hostname": "outside the dataset folder",
+               "~/secret.png": "outside the dataset folder",
+               "file:///etc/hostname": "outside the dataset folder",
+               (outside / "secret.png").as_uri(): "outside the dataset folder",
+               "http://127.0.0.1:9/x.png": "only paths inside the dataset folder",
+               "simplecache::file:///etc/hostname": "only paths inside the dataset folder",
+               "memory://x.png": "only paths inside the dataset folder"}
+    for ref, why in refused.items():
+        (data / "e.jsonl").write_text(json.dumps({"prompt": "a", "image": "imgs/0.png"}) + "\n"
+                                      + json.dumps({"prompt": "b", "image": ref}) + "\n")
+        with pytest.raises(PromptDataError, match=r"e.jsonl:2: image .*" + why) as info:
+            load_prompts(DataConfig(source=str(data / "e.jsonl")))
+        assert "bytes" not in str(info.value) and "\n" not in str(info.value), ref
+    # inside the folder: a relative path, a file:// URI and a symbolic link that stays inside
+    (data / "inner.png").symlink_to(data / "imgs" / "1.png")
+    (data / "e.jsonl").write_text("\n".join(json.dumps({"prompt": f"p{i}", "image": ref}) for i, ref in enumerate(
+        ["imgs/0.png", (data / "imgs" / "2.png").as_uri(), "inner.png", "imgs/../imgs/3.png"])) + "\n")
+    ps = load_prompts(DataConfig(source=str(data / "e.jsonl"), test_fraction=0.25))
+    assert len(ps.train) + len(ps.test) == 4
+
+
+def test_a_remote_datasets_relative_images_stay_under_its_own_location():
+    from diffusionrl.data.images import read_image_bytes
+
+    for ref in ("../other/x.png", "a/../../x.png", "/etc/hostname", "file:///etc/hostname"):
+        with pytest.raises(PromptDataError, match=r"row 1: image .*(outside the dataset folder|its own location)"):
+            read_image_bytes(ref, "s3://bucket/set", "row 1")
+    with pytest.raises(PromptDataError, match=r"row 1: image .*outside the dataset folder hf://datasets/o/r"):
+        read_image_bytes("../x.png", "hf://datasets/o/r@v1", "row 1")
+    with pytest.raises(PromptDataError, match="comes? from no dataset folder"):
+        read_image_bytes("imgs/0.png", None, "gen row 1")

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .images import confined_path
 from .readers import PromptDataError
 
 
@@ -57,16 +58,10 @@ def _prompt_of(obj: dict, where: str) -> str:
 
 def image_path(folder: Path, name: str, where: str) -> Path:
     """The file ``name`` of an index row, which must be a relative path that stays inside ``folder``
-    once resolved (``..`` and symbolic links included): an index can only name the dataset's own
-    images, never another file of the machine (``../../etc/x.png``, ``/home/...``)."""
-    if Path(name).is_absolute() or Path(name).drive:
+    once resolved (``data.images.confined_path``): an index can only name the dataset's own images."""
+    if Path(name).is_absolute() or Path(name).drive or name.startswith("~"):
         raise PromptDataError(f"{where}: image {name!r} is an absolute path; name it relative to {folder}")
-    root = folder.resolve()
-    path = (root / name).resolve()
-    if not path.is_relative_to(root):
-        raise PromptDataError(f"{where}: image {name!r} resolves to {path}, outside the dataset folder {root}; "
-                              "keep the images inside the folder and name them relative to it")
-    return path
+    return confined_path(folder, name, where)
 
 
 def read_image_folder(folder: Path, resolution: int) -> list[dict[str, Any]]:

@@ -3,8 +3,11 @@
 A prompt row may carry an ``image`` field, the image an editing model (``builtin:tiny-flux-kontext``,
 FLUX.1 Kontext) edits as the prompt says:
 
-- a path, relative to the dataset file (or absolute): ``{"prompt": "make it red", "image": "imgs/a.png"}``;
-- a URI: ``hf://datasets/<owner>/<repo>/<path>[@revision]`` or an object-store one (``s3://``, ``gs://``, ...);
+- a path relative to the dataset file, which must stay inside the dataset's folder once resolved (``..``
+  and symbolic links included; an absolute path or ``file://`` URI only when it lies inside):
+  ``{"prompt": "make it red", "image": "imgs/a.png"}``; a remote dataset's paths stay under its own URI;
+- a URI: ``hf://datasets/<owner>/<repo>/<path>[@revision]`` or an object-store one (``s3://``, ``gs://``, ...;
+  ``REMOTE_SCHEMES``); no web URL, no chained ``::`` URL;
 - the encoded image's bytes (a Parquet ``binary`` column, a generator's rows).
 
 ``load_prompts`` resolves every row's image once, before any model loads (``resolve_row_images``): it
@@ -30,25 +33,73 @@ from .readers import PromptDataError, hf_download
 DATA_URI = "data:"
 
 
+# URI schemes an ``image`` may name: object stores and the hub, never the machine's own files (a local
+# image is a path relative to its dataset), never the open web (no network at run time)
+REMOTE_SCHEMES = ("hf", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
+
+
+def confined_path(root: str | Path, name: str, where: str) -> Path:
+    """The local file ``name`` (relative to ``root``, or an absolute path or ``file://`` URI) once resolved
+    (``..`` and symbolic links included), which must lie inside ``root``: a dataset can only name its own
+    images, never another file of the machine. Nothing outside is opened, so a refusal tells nothing of it."""
+    text = name
+    if name.lower().startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        text = unquote(urlparse(name).path)
+    folder = Path(root).resolve()
+    path = Path(text)
+    path = (path if path.is_absolute() or path.drive else folder / path).resolve()
+    if text.startswith("~") or not path.is_relative_to(folder):
+        raise PromptDataError(f"{where}: image {name!r} is outside the dataset folder {root}; keep the images "
+                              "inside it and name them relative to it")
+    return path
+
+
+def _remote_ref(ref: str, base: str, where: str) -> str:
+    """A path relative to a remote dataset's folder ``base`` (a URI, ``hf://`` with its ``@revision``), as
+    a URI under it: ``..`` may not leave it."""
+    import posixpath
+
+    base, revision = (base.rsplit("@", 1) if base.startswith("hf://") and "@" in base else (base, ""))
+    joined = posixpath.normpath(posixpath.join("/", ref))
+    if Path(ref).is_absolute() or ref.startswith("~") or ".." in Path(ref).parts:
+        raise PromptDataError(f"{where}: image {ref!r} is outside the dataset folder {base}; name the images "
+                              "relative to it, without '..'")
+    return f"{base.rstrip('/')}{joined}" + (f"@{revision}" if revision else "")
+
+
 def read_image_bytes(ref: str, base: str | Path | None, where: str) -> tuple[bytes, str]:
     """The bytes an ``image`` reference names, and the reference resolved (a local path or URI).
 
-    ``base``: the folder (local path or URI) a relative path is relative to: the dataset file's."""
-    if "://" not in ref and base is not None and not Path(ref).expanduser().is_absolute():
-        base, revision = str(base), ""
-        if base.startswith("hf://") and "@" in base:  # the dataset file's revision holds its images too
-            base, revision = base.rsplit("@", 1)
-        ref = f"{base.rstrip('/')}/{ref}" if "://" in base else str(Path(base) / ref)
-        ref += f"@{revision}" if revision else ""
+    ``base``: the folder (local path or URI) of the dataset file. A path is relative to it and must stay
+    inside it (a local dataset's ``file://`` URI too); a URI names an object store or the hub
+    (``REMOTE_SCHEMES``). Anything else is a ``PromptDataError`` before any file is opened."""
+    scheme = ref.split("://", 1)[0].lower() if "://" in ref else ""
+    if "::" in ref or (scheme and scheme not in (*REMOTE_SCHEMES, "file")):
+        raise PromptDataError(f"{where}: image {ref!r}: only paths inside the dataset folder and "
+                              f"{', '.join(s + '://' for s in REMOTE_SCHEMES)} URIs are read (no web, no chained "
+                              "URLs); copy the image into the dataset")
+    remote_base = base is not None and "://" in str(base)
+    if scheme == "file" or not scheme:
+        if base is None:
+            raise PromptDataError(f"{where}: image {ref!r} is a path, but these rows come from no dataset folder; "
+                                  "give the image's bytes or a URI")
+        if remote_base and scheme == "file":
+            raise PromptDataError(f"{where}: image {ref!r}: a remote dataset's images are read from its own "
+                                  "location only; name it relative to the dataset file")
+        ref = _remote_ref(ref, str(base), where) if remote_base else str(confined_path(base, ref, where))
     try:
-        if ref.startswith("hf://datasets/"):
+        if ref.startswith("hf://"):
+            if not ref.startswith("hf://datasets/"):
+                raise PromptDataError("hf:// images are read from datasets: hf://datasets/<owner>/<repo>/<path>")
             return hf_download(ref).read_bytes(), ref
         if "://" in ref:
             import fsspec
 
             with fsspec.open(ref, "rb") as fh:
                 return fh.read(), ref
-        path = Path(ref).expanduser()
+        path = Path(ref)
         return path.read_bytes(), str(path)
     except PromptDataError as exc:
         raise PromptDataError(f"{where}: image {ref!r}: {exc}") from exc
