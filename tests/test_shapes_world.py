@@ -88,3 +88,44 @@ def test_relations_follow_geneval():
     assert relations(left, right) == {"left of"} and relations(right, left) == {"right of"}
     assert relations((20, 0, 30, 10), (20, 30, 30, 40)) == {"above"}
     assert relations(left, (2, 21, 12, 31)) == set()  # overlapping boxes: no relation
+
+
+def test_web_captions_are_true_often_partial_and_cover_the_held_out_combinations():
+    """The base's pretraining world (``web_scenes``): every caption a scene can get is true of it as the
+    strict judge reads the image (each named object present, a count exact, a relation held), scenes
+    carry extra objects, and every held-out combination is drawn."""
+    from diffusionrl.data.shapes import all_specs, caption_holds, web_caption, web_scenes
+    from diffusionrl.rewards.geneval_mini import detect, judge
+
+    specs = all_specs()
+    scenes = web_scenes(300, 64, seed=3)
+    assert web_scenes(5, 64, seed=3)[4]["captions"] == scenes[4]["captions"]  # seeded
+    rng = np.random.default_rng(0)
+    exact = 0
+    for s in scenes[:60]:
+        found = detect(s["image"])
+        assert len(found) == len(s["objects"])
+        for c in s["captions"]:
+            # a true caption: the judge finds every asked object (its partial score counts them) ...
+            ok, score = judge(s["image"], {**specs[c], "relation": None}, found)
+            asked = sum(o["count"] for o in specs[c]["objects"])
+            assert score == pytest.approx(asked / len(found)), prompt_of(specs[c])
+            rel = specs[c]["relation"]
+            if rel:  # ... and some pair of the named objects it detects stands in the relation
+                kinds = [specs[c]["objects"][rel[k]]["shape"] for k in ("a", "b")]
+                assert any(rel["rel"] in relations(p.box, q.box) for p in found for q in found
+                           if (p.shape, q.shape) == tuple(kinds)), prompt_of(specs[c])
+            exact += ok and (judge(s["image"], specs[c], found)[0] or not rel)
+        assert web_caption(s, rng) in s["captions"]
+    assert exact  # ... and some are exact: nothing else in the picture
+    assert np.mean([len(s["objects"]) > sum(o["count"] for o in specs[s["own"]]["objects"]) for s in scenes]) > 0.4
+    _, test = world_splits(0.2, 0)
+    drawn = {prompt_of(specs[c]) for s in web_scenes(3000, 64, seed=5)[::1] for c in s["captions"]}
+    assert {r["prompt"] for r in test} <= drawn
+    # what never holds is never a caption: a count is exact, a colour is the drawn one
+    objects = [{"shape": "circle", "color": "red", "cx": 16, "cy": 32, "r": 8},
+               {"shape": "circle", "color": "blue", "cx": 48, "cy": 32, "r": 8}]
+    by_prompt = {prompt_of(s): s for s in specs}
+    assert caption_holds(by_prompt["two circles"], objects) and not caption_holds(by_prompt["three circles"], objects)
+    assert caption_holds(by_prompt["a red circle"], objects) and not caption_holds(by_prompt["a green circle"], objects)
+    assert not caption_holds(by_prompt["a circle and a square"], objects)

@@ -230,3 +230,82 @@ def scene_pairs(rows: list[dict[str, Any]], num: int, resolution: int, seed: int
             out.append({"prompt": row["prompt"], "spec": row["spec"],
                         "image": render(json.loads(row["spec"]), rng, resolution)})
     return out
+
+
+# -- the world as the web shows it: scenes of every kind, loosely captioned ---------------------------
+# What a text-to-image base model is pretrained on (``python -m diffusionrl.models.pretrain``, its
+# default ``--world web``): scenes of any of the world's specs, held-out ones included, often with
+# extra objects, each captioned by a prompt of the world that is *true* of it but often partial. A
+# caption never states a false thing: a noun phrase ``a [colour] shape`` holds when the scene has at
+# least one such object, ``N shapes`` when it has exactly N of that shape, a relation when some pair of
+# the named objects stands in it (GenEval's rule, on the boxes the judge sees). Loose captions make
+# p(scene | caption) broad ("a red circle" comes with other objects), so sampling without guidance
+# draws extra objects that the strict judge refuses, and classifier-free guidance (the empty caption is
+# a share of the data) pushes toward scenes whose likeliest caption is the prompt: what is asked.
+
+WEB_DISTRACTORS = (0.4, 0.35, 0.25)  # P(0, 1, 2 extra objects) beside a spec's own (at most 4 in all)
+WEB_OWN_CAPTION = 0.5  # share of scenes captioned by their own spec's prompt (when still true of them)
+
+
+def _matches(o: dict[str, Any], drawn: dict[str, Any]) -> bool:
+    return drawn["shape"] == o["shape"] and o["color"] in (None, drawn["color"])
+
+
+def caption_holds(spec: dict[str, Any], objects: list[dict[str, Any]]) -> bool:
+    """Whether ``spec``'s prompt is a true (possibly partial) caption of the drawn ``objects``."""
+    for o in spec["objects"]:
+        found = sum(_matches(o, d) for d in objects)
+        if (o["count"] > 1 and found != o["count"]) or found < 1:
+            return False
+    rel = spec.get("relation")
+    if not rel:
+        return True
+    a = [object_box(d) for d in objects if _matches(spec["objects"][rel["a"]], d)]
+    b = [object_box(d) for d in objects if _matches(spec["objects"][rel["b"]], d)]
+    return any(rel["rel"] in relations(p, q) for p in a for q in b)
+
+
+def web_scene(spec: dict[str, Any], rng: np.random.Generator, resolution: int = 64,
+              distractors: tuple[float, ...] = WEB_DISTRACTORS) -> list[dict[str, Any]]:
+    """The objects of a scene of ``spec`` with 0-2 extra objects of any shape and colour (their number
+    drawn from ``distractors``, at most 4 objects in all), laid out as ``layout`` does."""
+    asked = sum(o["count"] for o in spec["objects"])
+    extra = min(int(rng.choice(len(distractors), p=distractors)), 4 - asked)
+    objects = [*spec["objects"], *(_obj(str(rng.choice(SHAPES)), str(rng.choice(list(COLORS))))
+                                   for _ in range(extra))]
+    while True:  # a relation among four objects may find no layout: then one extra object fewer
+        try:
+            return layout({**spec, "objects": objects}, rng, resolution)
+        except RuntimeError:
+            if len(objects) == len(spec["objects"]):
+                raise
+            objects = objects[:-1]
+
+
+def true_captions(objects: list[dict[str, Any]], specs: list[dict[str, Any]]) -> list[int]:
+    """Indices of the ``specs`` whose prompt is a true caption of ``objects``."""
+    return [i for i, s in enumerate(specs) if caption_holds(s, objects)]
+
+
+def web_scenes(num: int, resolution: int, seed: int = 0, distractors: tuple[float, ...] = WEB_DISTRACTORS
+               ) -> list[dict[str, Any]]:
+    """``num`` scenes of the whole world: ``{"image", "objects", "own" (index of the spec drawn, into
+    ``all_specs()``), "captions" (indices of every true caption)}``; each spec drawn uniformly."""
+    rng = np.random.default_rng(seed)
+    specs = all_specs()
+    out = []
+    for _ in range(num):
+        own = int(rng.integers(len(specs)))
+        objects = web_scene(specs[own], rng, resolution, distractors)
+        out.append({"image": draw_scene(objects, resolution), "objects": objects, "own": own,
+                    "captions": true_captions(objects, specs)})
+    return out
+
+
+def web_caption(scene: dict[str, Any], rng: np.random.Generator, own_share: float = WEB_OWN_CAPTION) -> int:
+    """A caption of ``scene`` (an index into ``all_specs()``): its own spec's with probability
+    ``own_share`` when that is still true of it, else any of its true captions, uniformly."""
+    captions = scene["captions"]
+    if scene["own"] in captions and rng.random() < own_share:
+        return scene["own"]
+    return int(captions[int(rng.integers(len(captions)))])

@@ -1,18 +1,28 @@
 """Pretrain ``builtin:tiny-sd3-shapes`` on the shapes world: ``python -m diffusionrl.models.pretrain``.
 
+What it trains on (``--world``): ``web`` (the default, how ``builtin:tiny-sd3-shapes`` is made) draws
+scenes of every kind the world holds, held-out specs included and often with extra objects, each
+captioned by a true but often partial prompt (``data.shapes.web_scenes``; ``--own-caption`` of them by
+the spec they were drawn from, the rest by any true caption, drawn afresh each step), with
+``--cfg-dropout`` empty captions: the loose captions leave a gap that classifier-free guidance closes
+and CFG-free RL can distil (docs/shapes.md). ``train`` draws only scenes of the training prompts
+(``data.shapes.world_splits``), each captioned by its own prompt: a base that never drew a held-out
+combination (``--world train --transformer-steps 7000 --bank 8192 --cfg-dropout 0.1`` made the
+harder benchmark's base).
+
 Two stages, seeded and resumable (``--work`` holds ``state.pt``, written every ``--save-every`` steps
 and when the process is told to stop, e.g. by ``timeout``; a re-run with the same ``--work`` continues):
 
-1. the VAE: scenes of the training prompts (``data.shapes.world_splits``; held-out prompts are never
-   drawn), reconstruction MSE plus a small KL term, so that ``decode(encode(x))`` reproduces them;
-   then the latents' mean and std become the VAE's ``shift_factor`` and ``1 / scaling_factor``;
+1. the VAE: scenes of the world, reconstruction MSE plus a small KL term, so that
+   ``decode(encode(x))`` reproduces them; then the latents' mean and std become the VAE's
+   ``shift_factor`` and ``1 / scaling_factor``;
 2. the transformer and the three text encoders together by rectified-flow matching (SD3's
    objective: ``x_t = (1 - s) x_0 + s e``, target ``e - x_0``, ``s`` logit-normal) on a bank of
-   encoded scenes, conditioned on the text encoders' embeddings of each scene's prompt (10 % of them
-   replaced by the empty prompt's, so that classifier-free guidance works); an exponential moving
-   average of their weights (``--ema``) is what is exported. With ``--fresh`` every step draws and
-   encodes new scenes instead (seeded by the step, so a resume repeats them; ~1.5x the time a step):
-   no scene is seen twice, and the bank only gives the latents' mean and std.
+   encoded scenes, conditioned on the text encoders' embeddings of each scene's caption (a
+   ``--cfg-dropout`` share replaced by the empty prompt's, so that classifier-free guidance works); an
+   exponential moving average of their weights (``--ema``) is what is exported. With ``--fresh`` every
+   step draws and encodes new scenes instead (seeded by the step, so a resume repeats them; ~1.5x the
+   time a step): no scene is seen twice, and the bank only gives the latents' mean and std.
 
 ``curves.jsonl`` gets one line per ``--log-every`` steps (stage, step, mean loss, wall seconds),
 ``summary.json`` the wall time and final losses, ``--out`` the weights (safetensors; by default the
@@ -35,14 +45,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusionrl.data.shapes import DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, scene_pairs, world_splits
+from diffusionrl.data.shapes import (
+    DEFAULT_SPLIT_SEED,
+    DEFAULT_TEST_FRACTION,
+    WEB_DISTRACTORS,
+    WEB_OWN_CAPTION,
+    all_specs,
+    prompt_of,
+    scene_pairs,
+    web_caption,
+    web_scenes,
+    world_splits,
+)
 
 from .tiny_shapes import MAX_SEQUENCE_LENGTH, SCHEDULER_SHIFT, SHAPES_WEIGHTS, TRAINED, build_shapes_pipeline
 
 log = logging.getLogger("diffusionrl.pretrain")
 
 
-TRANSFORMER_ARGS = ("lr", "bank", "cfg_dropout", "ema", "fresh")
+TRANSFORMER_ARGS = ("lr", "bank", "cfg_dropout", "ema", "fresh", "own_caption")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -124,6 +145,7 @@ class Pretrainer(Checkpointed):
         self.denoiser = torch.nn.ModuleList([self.transformer, *(getattr(self.pipe, n) for n in TEXT_ENCODERS)])
         self.ema = [p.detach().clone() for p in self.denoiser.parameters()]
         self.train_rows, _ = world_splits(args.test_fraction, args.split_seed)
+        self.specs = [prompt_of(s) for s in all_specs()]  # a web caption is an index into these
         self.vae_opt = torch.optim.AdamW(self.vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
         self.tr_opt = torch.optim.AdamW(self.denoiser.parameters(), lr=args.lr, weight_decay=0.0)
         self.state = {"vae_step": 0, "tr_step": 0, "wall_s": 0.0, "stats": None}
@@ -138,7 +160,6 @@ class Pretrainer(Checkpointed):
             return
         saved = torch.load(path, weights_only=False)
         fixed = self._fixed_args()
-        saved["args"] = {"fresh": False, **saved["args"]}  # states written before --fresh existed
         if not saved["state"]["tr_step"]:  # the transformer's settings bind once its stage has started
             fixed = {k: v for k, v in fixed.items() if k not in TRANSFORMER_ARGS}
         changed = sorted(k for k in fixed if saved["args"].get(k) != fixed[k])
@@ -158,7 +179,8 @@ class Pretrainer(Checkpointed):
     def _fixed_args(self) -> dict:
         a = vars(self.args)
         return {k: a[k] for k in ("seed", "batch", "resolution", "vae_lr", "lr", "test_fraction", "split_seed",
-                                  "bank", "kl_weight", "cfg_dropout", "ema", "fresh")}
+                                  "bank", "kl_weight", "cfg_dropout", "ema", "fresh", "world", "own_caption",
+                                  "distractors")}
 
     def save(self) -> None:
         self.state["wall_s"] += time.perf_counter() - self.t0
@@ -175,8 +197,7 @@ class Pretrainer(Checkpointed):
         self.vae.train().requires_grad_(True)
         losses: list[float] = []
         for step in range(self.state["vae_step"], a.vae_steps):
-            batch = scene_pairs(self.train_rows, a.batch, a.resolution, seed=a.seed * 1_000_003 + step)
-            x = _images(batch)
+            x = _images(self.scenes(a.batch, seed=a.seed * 1_000_003 + step))
             for g in self.vae_opt.param_groups:
                 g["lr"] = _lr(step, a.vae_lr, 100, a.vae_steps)
             dist = self.vae.encode(x).latent_dist
@@ -193,46 +214,64 @@ class Pretrainer(Checkpointed):
             self._tick("vae", step, losses)
         self.vae.eval().requires_grad_(False)
 
+    def scenes(self, num: int, seed: int) -> list[dict]:
+        """``num`` scenes of ``--world``: ``{"image", ...}`` with ``"prompt"`` (``train``: the training
+        prompts' scenes, captioned exactly) or ``"own"`` and ``"captions"`` (``web``: every kind of
+        scene, ``data.shapes.web_scenes``)."""
+        a = self.args
+        if a.world == "web":
+            return web_scenes(num, a.resolution, seed=seed, distractors=a.distractors)
+        return scene_pairs(self.train_rows, num, a.resolution, seed=seed)
+
+    def captions(self, scenes: list[dict], seed: int) -> list[str]:
+        """One caption per scene: its prompt (``train``) or a true caption drawn by ``web_caption``."""
+        if self.args.world == "train":
+            return [s["prompt"] for s in scenes]
+        rng = np.random.default_rng(seed)
+        return [self.specs[web_caption(s, rng, self.args.own_caption)] for s in scenes]
+
     @torch.no_grad()
-    def latent_bank(self) -> tuple[torch.Tensor, list[str]]:
-        """``--bank`` encoded training scenes (VAE posterior means) and their prompts, cached."""
+    def latent_bank(self) -> tuple[torch.Tensor, list[dict]]:
+        """``--bank`` encoded scenes (VAE posterior means) and what captions them (their images
+        dropped), cached."""
         a = self.args
         path = self.work / f"bank-vae{self.state['vae_step']}.pt"
         if path.is_file():
-            saved = torch.load(path)
-            return saved["latents"], saved["prompts"]
-        pairs = scene_pairs(self.train_rows, a.bank, a.resolution, seed=a.seed + 7)
-        latents = torch.cat([self.vae.encode(_images(pairs[i:i + 64])).latent_dist.mode()
-                             for i in range(0, len(pairs), 64)])
-        prompts = [p["prompt"] for p in pairs]
-        torch.save({"latents": latents, "prompts": prompts}, path)
-        return latents, prompts
+            saved = torch.load(path, weights_only=False)
+            return saved["latents"], saved["scenes"]
+        scenes = self.scenes(a.bank, seed=a.seed + 7)
+        latents = torch.cat([self.vae.encode(_images(scenes[i:i + 64])).latent_dist.mode()
+                             for i in range(0, len(scenes), 64)])
+        scenes = [{k: v for k, v in s.items() if k != "image"} for s in scenes]
+        torch.save({"latents": latents, "scenes": scenes}, path)
+        return latents, scenes
 
     def train_transformer(self) -> None:
         a = self.args
-        raw, prompts = self.latent_bank()
+        raw, bank = self.latent_bank()
         if self.state["stats"] is None:
             self.state["stats"] = {"shift_factor": float(raw.mean()), "scaling_factor": float(1 / raw.std())}
         stats = self.state["stats"]
         self.vae.register_to_config(**stats)
         latents = (raw - stats["shift_factor"]) * stats["scaling_factor"]
-        # the prompts encoded each step (with --fresh every training prompt, which a small bank may not hold)
-        unique = sorted({r["prompt"] for r in self.train_rows} if a.fresh else set(prompts)) + [""]
-        index = torch.tensor([unique.index(p) for p in prompts])
+        # the prompts encoded each step: every caption the world's scenes can get, and the empty one
+        unique = sorted({r["prompt"] for r in self.train_rows} if a.world == "train" else set(self.specs)) + [""]
+        position = {p: i for i, p in enumerate(unique)}
         self.denoiser.train().requires_grad_(True)
         losses: list[float] = []
         for step in range(self.state["tr_step"], a.transformer_steps):
             gen = torch.Generator().manual_seed(a.seed * 1_000_003 + 500_000 + step)
             if a.fresh:  # scenes drawn afresh each step, seeded by (seed, step): no scene is seen twice
-                scenes = scene_pairs(self.train_rows, a.batch, a.resolution, seed=a.seed * 1_000_003 + 300_000 + step)
+                scenes = self.scenes(a.batch, seed=a.seed * 1_000_003 + 300_000 + step)
                 with torch.no_grad():
                     x0 = (self.vae.encode(_images(scenes)).latent_dist.mode() - stats["shift_factor"]) \
                         * stats["scaling_factor"]
-                cond = torch.tensor([unique.index(s["prompt"]) for s in scenes])
             else:
                 pick = torch.randint(len(latents), (a.batch,), generator=gen)
                 x0 = latents[pick]
-                cond = index[pick].clone()
+                scenes = [bank[int(i)] for i in pick]
+            captions = self.captions(scenes, seed=a.seed * 1_000_003 + 700_000 + step)
+            cond = torch.tensor([position[c] for c in captions])
             cond[torch.rand(a.batch, generator=gen) < a.cfg_dropout] = len(unique) - 1
             sigma = torch.sigmoid(torch.randn(a.batch, generator=gen)).view(-1, 1, 1, 1)
             noise = torch.randn(x0.shape, generator=gen)
@@ -289,6 +328,13 @@ class Pretrainer(Checkpointed):
         return summary
 
 
+def _probabilities(text: str) -> tuple[float, ...]:
+    values = tuple(float(v) for v in text.split(","))
+    if any(v < 0 for v in values) or abs(sum(values) - 1) > 1e-6:
+        raise argparse.ArgumentTypeError(f"{text!r}: give non-negative probabilities that sum to 1, e.g. 0.4,0.35,0.25")
+    return values
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="runs/pretrain-shapes", help="state, curves and summary (resumed if present)")
@@ -296,14 +342,22 @@ def parse_args(argv=None):
     ap.add_argument("--folder", default="",
                     help="also save the exported model as a diffusers folder (model.name=FOLDER loads it)")
     ap.add_argument("--vae-steps", type=int, default=1500)
-    ap.add_argument("--transformer-steps", type=int, default=7000)
+    ap.add_argument("--transformer-steps", type=int, default=9000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--resolution", type=int, default=64)
     ap.add_argument("--vae-lr", type=float, default=1e-3)
     ap.add_argument("--lr", type=float, default=1e-3, help="transformer learning rate")
     ap.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the per-element VAE KL term")
-    ap.add_argument("--cfg-dropout", type=float, default=0.1, help="share of empty-prompt conditioning")
-    ap.add_argument("--bank", type=int, default=8192,
+    ap.add_argument("--world", choices=("web", "train"), default="web",
+                    help="web: scenes of every kind (held-out specs too, often with extra objects), each "
+                    "captioned by a true, often partial prompt (data.shapes.web_scenes); train: only scenes of "
+                    "the training prompts, each captioned by its own prompt")
+    ap.add_argument("--own-caption", type=float, default=WEB_OWN_CAPTION,
+                    help="web: share of scenes captioned by the prompt they were drawn from (else any true one)")
+    ap.add_argument("--distractors", type=_probabilities, default=WEB_DISTRACTORS,
+                    help="web: probabilities of 0, 1, 2, ... extra objects beside a spec's own (comma-separated)")
+    ap.add_argument("--cfg-dropout", type=float, default=0.15, help="share of empty-prompt conditioning")
+    ap.add_argument("--bank", type=int, default=32768,
                     help="encoded scenes the transformer trains on (with --fresh, only the latents' mean and std)")
     ap.add_argument("--fresh", action="store_true",
                     help="train the transformer on scenes drawn and encoded afresh each step instead of the bank")
