@@ -284,5 +284,10 @@ class TrackingConfig:
 
     def __post_init__(self) -> None:
         check_constraints(self, "tracking")
+        from diffusionrl.secrets import credentials_error
+
+        refusal = credentials_error(self.uri, "tracking.uri")
+        if refusal:
+            raise ConfigError(refusal)
         if not self.registered_model.strip():
             raise ConfigError("tracking.registered_model is empty: name the registry entry, e.g. 'tiny-sd3-jpeg'")

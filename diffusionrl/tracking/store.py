@@ -23,6 +23,7 @@ from typing import TypeVar
 from urllib.parse import urlparse
 
 from diffusionrl.errors import UserError
+from diffusionrl.secrets import credentials_error
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,13 @@ def local_store_uri(root: str | Path | None = None) -> str:
 
 
 def resolve_uri(configured: str = "") -> str:
-    """``tracking.uri`` > ``$MLFLOW_TRACKING_URI`` > the local SQLite store (absolute path)."""
-    return configured or os.environ.get(ENV_URI) or local_store_uri()
+    """``tracking.uri`` > ``$MLFLOW_TRACKING_URI`` > the local SQLite store (absolute path); a URI that
+    carries credentials is a ``TrackingURIError`` (``diffusionrl.secrets``)."""
+    uri = configured or os.environ.get(ENV_URI) or local_store_uri()
+    refusal = credentials_error(uri, "tracking URI" if configured else f"${ENV_URI}")
+    if refusal:
+        raise TrackingURIError(refusal)
+    return uri
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -63,7 +69,11 @@ def check_uri(uri: str, must_exist: bool = False) -> None:
     """Refuse a SQLite URI that does not name the database meant: not of the form ``sqlite:///<path>``
     (``sqlite:/x.db``, ``sqlite//x.db``, ``sqlite:x.db``), or in a folder that does not exist (a typo
     there would create a new empty store; the default local store's folder is created by
-    ``preflight``); with ``must_exist`` (a reader), also a database file that is not there."""
+    ``preflight``); with ``must_exist`` (a reader), also a database file that is not there. Any URI
+    that carries credentials is refused, shown redacted (``diffusionrl.secrets``)."""
+    refusal = credentials_error(uri, "tracking URI")
+    if refusal:
+        raise TrackingURIError(refusal)
     if not uri.lower().startswith("sqlite"):
         return
     db = _sqlite_path(uri)
