@@ -28,4 +28,5 @@ def credentials_error(uri: str, where: str) -> str | None:
            if scheme in ("http", "https") else
            "give the password to the database driver through its own environment (PostgreSQL: PGPASSWORD or "
            "~/.pgpass) or track through an mlflow server")
-    return f"{where} {redacted(uri)} carries user credentials, which would be printed and stored with it; remove them and {fix}"
+    return (f"{where} {redacted(uri)} carries user credentials, which would be printed and stored with it; "
+            f"remove them and {fix}")
