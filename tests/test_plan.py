@@ -223,3 +223,24 @@ def test_cli_and_docs_table(capsys):
     doc = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
     assert doc[doc.index(BEGIN) + len(BEGIN):doc.index(END)].strip() == table().strip(), (
         "docs/scaling.md's plan tables are stale: python -m diffusionrl.plan --table --write")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--mfu", "-1"], "is not a utilisation"), (["--mfu", "nan"], "is not a utilisation"),
+    (["--mfu", "5"], "is not a utilisation"), (["--mfu", "0"], "is not a utilisation"),
+    (["--gpu-memory", "0"], "give a size above 0"), (["--gpu-memory", "."], "give a size above 0"),
+    (["--config", "tiny-cpu-flux2"], "no figures for the flux2 family"),
+    (["--config", "tiny-cpu-zimage"], "no figures for the zimage family")])
+def test_bad_planner_input_is_one_line(argv, says, capsys):
+    """An impossible utilisation or memory, or a family without figures, ends in one line (after argparse's
+    usage) and a non-zero exit,
+    never a negative or NaN step time or a traceback."""
+    from diffusionrl.plan.__main__ import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code != 0 and says in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    assert "step" not in out

@@ -25,11 +25,22 @@ BEGIN, END = "<!-- plan-table: begin (python -m diffusionrl.plan --table --write
 
 def parse_memory(text: str) -> float:
     """``141GiB``, ``80GB``, ``46068MiB`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|MiB|MB|TiB)?\s*", text)
-    if not match:
-        raise ConfigError(f"--gpu-memory={text!r}: give a size such as 141GiB, 80GB or 46068MiB")
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(GiB|GB|MiB|MB|TiB)?\s*", text)
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"--gpu-memory={text!r}: give a size above 0 such as 141GiB, 80GB or 46068MiB")
     unit = {"GiB": 2**30, "GB": 1e9, "MiB": 2**20, "MB": 1e6, "TiB": 2**40, None: 2**30}[match.group(2)]
     return float(match.group(1)) * unit
+
+
+def parse_mfu(text: str) -> float:
+    """``--mfu``: a share of the GPU's peak FLOP/s, above 0 and at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a utilisation; give a share in (0, 1], e.g. 0.4")
+    return value
 
 
 def load(config: str, overrides: list[str]):
@@ -111,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=0, help="GPUs = trainer ranks (default: the config's world_size)")
     ap.add_argument("--gpu", default="H200", choices=sorted(GPUS), help="GPU kind (its memory and peak FLOP/s)")
     ap.add_argument("--gpu-memory", default="", help="override the GPU's memory, e.g. 141GiB")
-    ap.add_argument("--mfu", type=float, default=MFU, help="assumed model FLOPs utilisation")
+    ap.add_argument("--mfu", type=parse_mfu, default=MFU, help="assumed model FLOPs utilisation, in (0, 1]")
     ap.add_argument("--table", action="store_true", help="print the GPU presets' plan tables")
     ap.add_argument("--write", action="store_true", help="with --table: write them into docs/scaling.md")
     args = ap.parse_args(argv)

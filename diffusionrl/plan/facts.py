@@ -99,8 +99,16 @@ def builtin_facts(reference: str) -> dict:
 
 
 def model_facts(reference: str, cache: dict | None = None) -> dict:
-    """Facts of ``reference``: cached for hub models, built for builtins."""
+    """Facts of ``reference``: cached for hub models, built for builtins (of a family the planner has
+    figures for: else one ``ConfigError`` naming the families it knows)."""
     if reference.startswith("builtin:"):
+        if not plannable(reference):
+            from diffusionrl.config import ConfigError
+            from diffusionrl.models.families import adapter_class
+
+            raise ConfigError(f"model.name={reference!r}: the planner has no figures for the "
+                              f"{adapter_class(reference).family} family yet (it plans {', '.join(sorted(FAMILIES))}); "
+                              "add it to diffusionrl/plan/archs.py (FAMILIES)")
         return builtin_facts(reference)
     cache = load_cache(CACHE) if cache is None else cache
     if reference in cache.get("facts", {}):
