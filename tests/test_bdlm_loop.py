@@ -155,3 +155,19 @@ def test_config_round_trip_and_digest():
     assert again == cfg and again.digest() == cfg.digest()
     assert tiny_cfg("grpo.lr=2e-3").digest() != cfg.digest()
     assert cfg.canvas_length == cfg.task.prompt_length + cfg.model.gen_length == 15
+
+
+def test_a_run_that_never_updates_stops_in_one_line(init_dir, tmp_path):
+    """A temperature so small that every sample of a group is the same: no reward spread, no optimizer step.
+    The image runs' update guard stops it (exit 2 from the CLI) instead of ending and being registered."""
+    from diffusionrl.training.guard import TrainingStalled
+
+    cfg = tiny_cfg("model.temperature=1e-30", "grpo.steps=4", "grpo.max_idle_steps=3")
+    with pytest.raises(TrainingStalled, match=r"3 steps in a row \(to step 3\) made no optimizer step"):
+        train_grpo(cfg, tmp_path / "run", init_dir, resume=None, progress=False)
+    assert not (tmp_path / "run" / "model").exists()
+    cfg = tiny_cfg("model.temperature=1e-30", "grpo.steps=2", "grpo.max_idle_steps=3")
+    with pytest.raises(TrainingStalled, match=r"reached its last step \(2\) without one optimizer step"):
+        train_grpo(cfg, tmp_path / "run2", init_dir, resume=None, progress=False)
+    with pytest.raises(ConfigError, match="grpo.max_skipped_fraction=0.0 must be in"):
+        tiny_cfg("grpo.max_skipped_fraction=0")

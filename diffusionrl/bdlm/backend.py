@@ -32,7 +32,8 @@ from .trace import TraceBatch
 
 # Config keys a resumed GRPO run may change (``run.loop.RUN_CONTROL_KEYS`` and these): how long to
 # run, checkpoint cadence, whether traces are written. Every other key must match the checkpoint's.
-FREE_KEYS = RUN_CONTROL_KEYS + ("grpo.steps", "grpo.checkpoint_every", "grpo.keep_checkpoints", "grpo.save_traces")
+FREE_KEYS = RUN_CONTROL_KEYS + ("grpo.steps", "grpo.checkpoint_every", "grpo.keep_checkpoints", "grpo.save_traces",
+                                 "grpo.max_idle_steps", "grpo.max_skipped_fraction")
 
 
 class BDLMBackend:
@@ -225,8 +226,10 @@ def build_grpo_loop(cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path,
                     callbacks: list[Callback] | None = None, progress: bool | None = None) -> RunLoop:
     gc = cfg.grpo
     schedule = Schedule(steps=gc.steps, checkpoint_every=gc.checkpoint_every, keep_checkpoints=gc.keep_checkpoints)
-    return RunLoop(BDLMBackend(cfg, out_dir, init_dir), out_dir, schedule, cfg.to_dict(), callbacks=callbacks,
-                   progress=progress, free_keys=FREE_KEYS)
+    from diffusionrl.training.guard import UpdateGuard  # a run that never updates stops, as image runs do
+
+    return RunLoop(BDLMBackend(cfg, out_dir, init_dir), out_dir, schedule, cfg.to_dict(),
+                   callbacks=[*(callbacks or []), UpdateGuard(gc)], progress=progress, free_keys=FREE_KEYS)
 
 
 def train_grpo(cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path, resume: str | Path | None = "auto",

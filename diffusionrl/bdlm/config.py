@@ -148,6 +148,13 @@ class GRPOConfig:
     lr: PositiveFloat = option(2e-4, "AdamW learning rate")
     weight_decay: float = option(0.0, "AdamW weight decay")
     max_grad_norm: NonNegativeFloat = option(1.0, "Gradient clipping norm (0 disables)")
+    max_idle_steps: NonNegativeInt = option(
+        3, "Stop the run (one line, exit 2) after this many steps in a row without an optimizer step (every update "
+        "skipped as non-finite, or no group with reward variance), or at its end if it never made one; 0 never "
+        "stops (diffusionrl/training/guard.py)")
+    max_skipped_fraction: float = option(
+        0.2, "Stop the run when more than this share of its updates so far were skipped as non-finite (checked "
+        "from step 5); 1 never stops")
     seed: int = option(0, "Seed of prompts and sample seeds")
     checkpoint_every: int = option(10, "Save a resumable checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = option(2, "How many recent checkpoints to keep")
@@ -156,6 +163,9 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         check_constraints(self, "grpo")
+        if not 0 < self.max_skipped_fraction <= 1:
+            raise ConfigError(f"grpo.max_skipped_fraction={self.max_skipped_fraction} must be in (0, 1] "
+                              "(1: never stop for skipped updates)")
         if self.sequence_packing:
             raise ConfigError(
                 "grpo.sequence_packing=true is not supported: trace replay re-masks whole rows by commit "
