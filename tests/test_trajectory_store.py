@@ -206,3 +206,28 @@ def test_a_step_file_that_does_not_read_back_as_written_fails_verification(tmp_p
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(TrajectoryWriteError, match="does not read back"):
         verify_step_file(path, 5, 4)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_resumed_run_stops_on_an_earlier_attempts_damaged_step_file(tmp_path, damage):
+    """Files an earlier attempt left are read whole (page checksums) at the resumed run's first step: a
+    damaged one stops it in one line before anything is written, so it is never registered or uploaded."""
+    from diffusionrl.trajectory import TrajectoryWriter
+
+    paths = [write_step(tmp_path, scored_trajectory(seed=s), run_id="run", step=s + 1, images=False, latents=True)
+             for s in range(2)]
+    if damage == "truncate":
+        paths[0].write_bytes(paths[0].read_bytes()[: paths[0].stat().st_size // 2])
+    else:
+        flip_mid_column(paths[0], "latents")
+    writer = TrajectoryWriter(tmp_path, "run", latents=True, images=False)
+    with pytest.raises(CorruptParquetFile) as err:
+        writer.on_step(None, 3, scored_trajectory(seed=3), {})
+    assert "\n" not in str(err.value) and "step-000001.parquet (step 1)" in str(err.value)
+    writer.on_end(None)
+    assert not (tmp_path / "step-000003.parquet").exists()
+    paths[0].unlink()  # the fix the message names: the run goes on without that step's file
+    writer = TrajectoryWriter(tmp_path, "run", latents=True, images=False)
+    writer.on_step(None, 3, scored_trajectory(seed=3), {})
+    writer.on_end(None)
+    assert (tmp_path / "step-000003.parquet").exists()

@@ -23,6 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from diffusionrl.errors import UserError
+
 from .batch import Conditioning, Trajectory
 
 # 1: images only. 2: adds video samples (column ``frames_png``; latents [T+1, C, F', H, W]). The
@@ -31,8 +33,10 @@ SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 
-class CorruptParquetFile(ValueError):
+class CorruptParquetFile(UserError):
     """A step file cannot be read back intact (failed page checksum, truncated or damaged file)."""
+
+    kind = "damaged file"
 
 
 def write_parquet(table: pa.Table, path: str | Path) -> Path:

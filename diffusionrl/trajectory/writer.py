@@ -7,7 +7,8 @@ every page checksummed; PNG encoding and Parquet writing release the GIL, so the
 rollout). At every checkpoint and at the end of the run it waits until everything queued is
 written, re-raises the first write error, and verifies each file written since the last check
 (readable footer, one row per sample, its step and schema version), so a checkpoint never goes out
-ahead of the trajectories of the steps it covers.
+ahead of the trajectories of the steps it covers. On a resumed run's first step it reads the files an
+earlier attempt left (``verify_earlier_files``), so a damaged one is never carried on to registration.
 """
 
 from __future__ import annotations
@@ -34,10 +35,23 @@ class TrajectoryWriter(Callback):
         self._written: list[tuple[Path, int, int]] = []  # (path, step, rows) not yet verified
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._checked_earlier = False
+
+    def verify_earlier_files(self) -> None:
+        """Read every step file already in the folder (an earlier attempt's) whole, page checksums
+        included: a damaged one stops the run at its first step (``CorruptParquetFile``, one line), before
+        it could be registered or uploaded with the run's trajectories."""
+        from .store import list_step_files, read_parquet
+
+        self._checked_earlier = True
+        for path in list_step_files(self.directory):
+            read_parquet(path)
 
     # -- loop callbacks --------------------------------------------------------------------------
     def on_step(self, loop, step, batch, metrics) -> None:
         self._raise_error()
+        if not self._checked_earlier:
+            self.verify_earlier_files()
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="trajectory-writer", daemon=True)
             self._thread.start()
