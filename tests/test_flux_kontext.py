@@ -175,6 +175,11 @@ def test_the_logged_kontext_lora_edits_the_image_of_a_request(edits, tmp_path):
     # the input image reaches the transformer: another image gives another edit
     assert not np.array_equal(np.asarray(Image.open(io.BytesIO(red))), np.asarray(Image.open(io.BytesIO(green))))
     assert Image.open(io.BytesIO(b64)).size == size
+    # a prompt alone is text to image at the requested size (or the served default), never Kontext's 1 MP
+    for side, expected in ((16, (16, 16)), (64, (64, 64)), (None, size)):
+        sized = {**params, "height": side, "width": side} if side else params
+        (out,) = model.predict({"prompt": "a red square"}, params=sized)
+        assert Image.open(io.BytesIO(out)).size == expected, side
     with pytest.raises(MlflowException, match="image 0 is not a readable image"):
         model.predict({"prompt": "make it blue", "image": b"not an image"}, params=params)
     from diffusionrl.serving.request_limits import images_of

@@ -309,8 +309,16 @@ class BoundedDiffusers:
         return true_cfg(kwargs, params) if type(pipeline).__name__ in TRUE_CFG else kwargs
 
     def generate(self, pipeline, prompts: list[str], params: dict[str, Any]) -> list[bytes]:
-        """Text to image, PNG bytes per prompt: one pipeline call for the batch, as MLflow's wrapper makes it."""
-        images = pipeline(prompt=prompts, **self.call_kwargs(pipeline, params)).images
+        """Text to image, PNG bytes per prompt: one pipeline call for the batch, as MLflow's wrapper makes it, at
+        the requested ``height x width`` (else the served size ``edit`` uses: the pipeline's default sample size)."""
+        import inspect
+
+        kwargs = self.call_kwargs(pipeline, params)
+        if "max_area" in inspect.signature(pipeline.__call__).parameters:  # Kontext rescales to max_area (1 MP)
+            height = kwargs.get("height") or pipeline.default_sample_size * pipeline.vae_scale_factor
+            width = kwargs.get("width") or height
+            kwargs.update(height=height, width=width, max_area=height * width)
+        images = pipeline(prompt=prompts, **kwargs).images
         if not images:
             raise MlflowException(f"the pipeline ({type(pipeline).__name__}) returned no images")
         return [png(image) for image in images]
