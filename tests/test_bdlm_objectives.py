@@ -256,7 +256,7 @@ def test_dapo_refills_zero_variance_groups(tiny_runs):
     assert trace.batch_size % 2 == 0 and bool((trace.group_ids >= REFILL_GROUP_OFFSET).all())
     # the same step without refill has nothing to learn from
     plain = small_cfg(*base, "grpo.objective=dapo", "grpo.seed=1", "grpo.group_size=2", "grpo.micro_batch_size=2",
-                      "grpo.dapo_max_refills=0")
+                      "grpo.dapo_max_refills=0", "grpo.max_idle_steps=0")
     m0 = train_grpo(plain, root / "dapo-filter", student, resume=None, progress=False).metrics[0]
     assert m0["rollout/active_groups"] == 0 and m0["train/optimizer_steps"] == 0
 
@@ -266,7 +266,8 @@ def test_dapo_refill_stops_at_the_cap(tiny_runs):
     so no batch has a group with variance: the refill stops after ``dapo_max_refills`` batches,
     reports the missing groups and leaves the weights as they were."""
     root, base, student, _ = tiny_runs
-    cfg = small_cfg(*base, "grpo.objective=dapo", "task.partial_weight=0", "grpo.dapo_max_refills=2")
+    cfg = small_cfg(*base, "grpo.objective=dapo", "task.partial_weight=0", "grpo.dapo_max_refills=2",
+                    "grpo.max_idle_steps=0")  # a step with nothing to learn is what this test makes
     result = train_grpo(cfg, root / "dapo-cap", student, resume=None, progress=False)
     m = result.metrics[0]
     assert m["rollout/dapo/refill_batches"] == 2 and m["rollout/dapo/missing_groups"] == 2

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from diffusionrl.config import PRESETS, main
+from diffusionrl.config import PRESETS
+from diffusionrl.config.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

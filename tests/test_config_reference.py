@@ -9,7 +9,8 @@ import difflib
 from pathlib import Path
 
 from diffusionrl.bdlm.config import BDLMConfig
-from diffusionrl.config import Config, main
+from diffusionrl.config import Config
+from diffusionrl.config.cli import main
 from diffusionrl.config.reference import default_text, type_name
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"

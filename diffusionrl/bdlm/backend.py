@@ -229,7 +229,7 @@ def build_grpo_loop(cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path,
     from diffusionrl.training.guard import UpdateGuard  # a run that never updates stops, as image runs do
 
     return RunLoop(BDLMBackend(cfg, out_dir, init_dir), out_dir, schedule, cfg.to_dict(),
-                   callbacks=[*(callbacks or []), UpdateGuard(gc)], progress=progress, free_keys=FREE_KEYS)
+                   callbacks=[*(callbacks or []), UpdateGuard(gc, "grpo")], progress=progress, free_keys=FREE_KEYS)
 
 
 def train_grpo(cfg: BDLMConfig, out_dir: str | Path, init_dir: str | Path, resume: str | Path | None = "auto",

@@ -1,8 +1,9 @@
 """The configuration of an image run: the ``Config`` tree, its sections, presets and loader.
 
 - ``root``: ``Config`` (the sections assembled, cross-section checks), ``load_config`` /
-  ``get_preset`` / ``dump_preset`` and the CLI, ``python -m diffusionrl.config --preset NAME``
-  (``__main__``), which prints the full config as YAML (how ``configs/*.yaml`` are made);
+  ``get_preset`` / ``dump_preset``;
+- ``cli``: ``python -m diffusionrl.config --preset NAME`` (``__main__``), which prints the full config
+  as YAML (how ``configs/*.yaml`` are made), and ``--reference`` (``reference``: ``docs/config.md``);
 - ``sections``: the sections (``model``, ``sampling``, ``algorithm``, ``reward``, ``train``, ``eval``,
   ``data``, ``tracking``), every default with its help text and its one-section checks;
 - ``objectives``: one block per objective (its own ``algorithm.*`` keys, flags and checks, its record
@@ -17,7 +18,7 @@ reverse. Everything other modules import is re-exported here.
 
 from .objectives import ALGORITHMS, RANKED, objective, resolved_kl_space
 from .presets import PRESETS
-from .root import Config, describe, dump_preset, get_preset, load_config, main
+from .root import Config, describe, dump_preset, get_preset, load_config
 from .sampling import SamplingConfig
 from .sections import (
     AlgorithmConfig,
@@ -42,5 +43,5 @@ __all__ = [
     "ALGORITHMS", "PRESETS", "RANKED", "AlgorithmConfig", "Config", "ConfigError", "ConfigTree",
     "DataConfig", "EvalConfig", "ModelConfig", "RewardConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
     "apply_overrides", "check_constraints", "describe", "dump_preset", "get_preset", "load_config", "lookup_preset",
-    "main", "objective", "option", "read_config_file", "resolved_kl_space",
+    "objective", "option", "read_config_file", "resolved_kl_space",
 ]

@@ -2,6 +2,6 @@
 ``python -m diffusionrl.config --reference``: every key of both config trees with its type, default and help
 text, as Markdown (``docs/config.md``; ``diffusionrl.config.reference``)."""
 
-from diffusionrl.config.root import main
+from diffusionrl.config.cli import main
 
 raise SystemExit(main())

@@ -11,8 +11,8 @@ the key and says what to change.
 
 The tree is kept plain (str/int/float/bool/list/dict leaves, no Optional dataclasses) so that it
 travels as a Flyte dataclass input and the Flyte console can show it with its defaults. The generic
-machinery is ``diffusionrl.config.tree``. ``python -m diffusionrl.config --preset NAME [--config
-FILE] [--set k=v ...]`` prints the full config as YAML (how ``configs/*.yaml`` are made).
+machinery is ``diffusionrl.config.tree``; the CLI that prints a preset's full config as YAML is
+``diffusionrl.config.cli``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from diffusionrl.errors import run_cli
-
 from . import sections as sec  # the sections, each named once below: Config's fields
 from .objectives import check_objective_fit
-from .presets import PRESETS, preset_changes
+from .presets import preset_changes
 from .sampling import SamplingConfig
 from .tree import (
     ConfigError,
@@ -118,23 +116,4 @@ def dump_preset(preset: str, file: str | Path | None = None, overrides: list[str
         f"# Pass it to pyflyte run ... --config configs/{preset}.yaml; keys left out come from the 'preset' key's.\n"
         + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m diffusionrl.config --preset NAME [--set k=v ...]``: print the full config as YAML;
-    ``--reference``: print the configuration reference (``docs/config.md``) instead."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m diffusionrl.config")
-    ap.add_argument("--preset", default="tiny-cpu", help=f"one of {', '.join(PRESETS)}")
-    ap.add_argument("--config", default=None, help="YAML/JSON file applied over the preset")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--reference", action="store_true",
-                    help="print every key of both config trees (type, default, help) as Markdown: docs/config.md")
-    args = ap.parse_args(argv)
-    if args.reference:
-        from .reference import reference
-
-        return run_cli(lambda: print(reference(), end=""))
-    return run_cli(lambda: print(dump_preset(args.preset, args.config, args.overrides), end=""))
 

@@ -47,8 +47,10 @@ def _counts(row: dict[str, Any]) -> tuple[float, float] | None:
 
 
 def stall_reason(history: list[dict[str, Any]], total_steps: int, max_idle_steps: int,
-                 max_skipped_fraction: float) -> str:
-    """Why the run of metric rows ``history`` (one per step, oldest first) must stop, or ""."""
+                 max_skipped_fraction: float, section: str = "train") -> str:
+    """Why the run of metric rows ``history`` (one per step, oldest first) must stop, or "".
+    ``section`` names the config section holding the two keys (``train`` for images, ``grpo`` for
+    block-diffusion language models), so the line names the key the user can set."""
     counts = [c for c in map(_counts, history) if c is not None]
     if not counts:
         return ""
@@ -66,20 +68,21 @@ def stall_reason(history: list[dict[str, Any]], total_steps: int, max_idle_steps
             "group's rewards equal, or no preference pair)" if len(streak) > nonfinite else "") if part)
         if len(streak) >= max_idle_steps:
             return (f"{len(streak)} steps in a row (to step {step}) made no optimizer step ({why}), "
-                    f"train.max_idle_steps={max_idle_steps}; fix the objective or reward settings (a smaller "
-                    "learning rate or temperature, a reward that varies), or raise train.max_idle_steps "
+                    f"{section}.max_idle_steps={max_idle_steps}; fix the objective or reward settings (a smaller "
+                    f"learning rate or temperature, a reward that varies), or raise {section}.max_idle_steps "
                     "(0: never stop)")
         if step >= total_steps and len(streak) == len(counts):
             return (f"the run reached its last step ({step}) without one optimizer step ({why}): its LoRA "
                     "is the one it started with; fix the objective or reward settings, or set "
-                    "train.max_idle_steps=0 to let such a run end")
+                    f"{section}.max_idle_steps=0 to let such a run end")
     if max_skipped_fraction < 1 and step >= FRACTION_FROM:
         done = sum(d for d, _ in counts)
         skipped = sum(s for _, s in counts)
         if skipped and skipped > max_skipped_fraction * (done + skipped):
             return (f"{skipped:.0f} of the {done + skipped:.0f} updates of steps 1-{step} were skipped for a "
-                    f"non-finite loss or gradient norm, more than train.max_skipped_fraction={max_skipped_fraction:g}; "
-                    "lower the learning rate or the objective's temperature, or raise train.max_skipped_fraction "
+                    "non-finite loss or gradient norm, more than "
+                    f"{section}.max_skipped_fraction={max_skipped_fraction:g}; "
+                    f"lower the learning rate or the objective's temperature, or raise {section}.max_skipped_fraction "
                     "(1: never stop)")
     return ""
 
@@ -87,11 +90,13 @@ def stall_reason(history: list[dict[str, Any]], total_steps: int, max_idle_steps
 class UpdateGuard(Callback):
     """Raises ``TrainingStalled`` at the step where ``stall_reason`` says the run trains nothing."""
 
-    def __init__(self, train_cfg):
+    def __init__(self, train_cfg, section: str = "train"):
+        self.section = section
         self.max_idle_steps = int(train_cfg.max_idle_steps)
         self.max_skipped_fraction = float(train_cfg.max_skipped_fraction)
 
     def on_step(self, loop, step: int, batch, metrics: dict[str, float]) -> None:
-        why = stall_reason(loop.history, loop.schedule.steps, self.max_idle_steps, self.max_skipped_fraction)
+        why = stall_reason(loop.history, loop.schedule.steps, self.max_idle_steps, self.max_skipped_fraction,
+                           self.section)
         if why:
             raise TrainingStalled(f"{loop.out_dir}: {why}")
