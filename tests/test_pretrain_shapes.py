@@ -75,6 +75,29 @@ def test_fresh_scenes_each_step_resume_to_the_uninterrupted_weights(tmp_path):
               "14", *FEW])
 
 
+def test_vae_from_an_exported_model_skips_the_vae_stage(tmp_path):
+    """--vae-from takes the VAE of an exported model as it is and trains only the transformer; a file
+    without one is refused in one line."""
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first.safetensors"
+    main(["--work", str(tmp_path / "a"), "--out", str(first), "--vae-steps", "10", "--transformer-steps", "4", *FEW])
+    second = tmp_path / "second.safetensors"
+    summary = main(["--work", str(tmp_path / "b"), "--out", str(second), "--vae-steps", "10", "--transformer-steps",
+                    "10", "--vae-from", str(first), "--world", "train", *FEW])
+    curves = [json.loads(line) for line in (tmp_path / "b" / "curves.jsonl").read_text().splitlines()]
+    assert {c["stage"] for c in curves} == {"transformer"} and summary["vae_steps"] == 10
+    a, b = load_file(str(first)), load_file(str(second))
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("vae."))
+    assert not torch.equal(a["transformer.proj_out.weight"], b["transformer.proj_out.weight"])
+    with pytest.raises(SystemExit, match="no vae"):
+        from safetensors.torch import save_file
+
+        save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+        main(["--work", str(tmp_path / "c"), "--out", str(second), "--vae-from", str(tmp_path / "other.safetensors"),
+              *FEW])
+
+
 def test_shipped_weights_match_the_digest_in_the_docs():
     docs = (ROOT / "docs" / "architecture.md").read_text()
     documented = re.search(r"tiny_sd3_shapes\.safetensors` sha256 `([0-9a-f]{64})`", docs)

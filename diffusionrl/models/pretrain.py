@@ -152,6 +152,8 @@ class Pretrainer(Checkpointed):
         self.stop = False
         self.t0 = time.perf_counter()
         self._load()
+        if args.vae_from and not self.state["vae_step"]:
+            self._vae_from(Path(args.vae_from))
 
     # -- state ---------------------------------------------------------------------------------------
     def _load(self) -> None:
@@ -176,11 +178,25 @@ class Pretrainer(Checkpointed):
         log.warning("resumed %s at VAE step %d, transformer step %d", path, self.state["vae_step"],
                     self.state["tr_step"])
 
+    def _vae_from(self, path: Path) -> None:
+        """Take the VAE of an exported shapes model (its ``vae.*`` tensors) and skip the VAE stage:
+        the autoencoder of the same pictures, so a new caption policy retrains only the transformer."""
+        from safetensors.torch import load_file
+
+        if not path.is_file():
+            raise SystemExit(f"--vae-from {path}: no such file; give a shapes model's .safetensors")
+        tensors = {k.removeprefix("vae."): v for k, v in load_file(str(path)).items() if k.startswith("vae.")}
+        if not tensors:
+            raise SystemExit(f"--vae-from {path}: no vae.* tensors; give a shapes model exported by this module")
+        self.vae.load_state_dict(tensors)
+        self.state["vae_step"] = self.args.vae_steps
+        log.warning("VAE taken from %s; the VAE stage is skipped", path)
+
     def _fixed_args(self) -> dict:
         a = vars(self.args)
         return {k: a[k] for k in ("seed", "batch", "resolution", "vae_lr", "lr", "test_fraction", "split_seed",
                                   "bank", "kl_weight", "cfg_dropout", "ema", "fresh", "world", "own_caption",
-                                  "distractors")}
+                                  "distractors", "vae_from")}
 
     def save(self) -> None:
         self.state["wall_s"] += time.perf_counter() - self.t0
@@ -342,6 +358,8 @@ def parse_args(argv=None):
     ap.add_argument("--folder", default="",
                     help="also save the exported model as a diffusers folder (model.name=FOLDER loads it)")
     ap.add_argument("--vae-steps", type=int, default=1500)
+    ap.add_argument("--vae-from", default="",
+                    help="take the VAE of this exported shapes model (.safetensors) instead of training one")
     ap.add_argument("--transformer-steps", type=int, default=9000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--resolution", type=int, default=64)
