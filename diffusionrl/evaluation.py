@@ -1,6 +1,7 @@
 """Evaluation: deterministic (ODE) sampling on held-out prompts, base model vs LoRA, same seeds
 (``eval.seeds_per_prompt`` of them per prompt: seed + i k + j for sample j of prompt i); the
-diversity of each side (``heldout.diversity``).
+diversity of each side (``heldout.diversity``). With ``eval.base_guidance_scale`` the base is also sampled
+at that CFG scale on the same seeds (``eval/base_cfg_*``): what a CFG-free tuned model should reach.
 
 Prompt rows with a ``category`` (the shapes world's) give the table a category column, and a reward's
 per-sample values (``RewardResult.per_sample``, e.g. geneval_mini's success) are averaged per category.
@@ -108,10 +109,16 @@ def evaluate_lora(
     tuned = LocalRolloutEngine(adapter, tuned_transformer, micro).generate(
         prompts, groups, seeds, spec, None, metadata
     )
+    guided = None
+    if cfg.eval.base_guidance_scale and cfg.eval.base_guidance_scale != cfg.eval.guidance_scale:
+        guided = LocalRolloutEngine(adapter, adapter.transformer, micro).generate(
+            prompts, groups, seeds, dataclasses.replace(spec, guidance_scale=cfg.eval.base_guidance_scale), None,
+            metadata)
     scorer = MixtureReward(cfg.reward.weights, cfg.reward)
     try:
         base_total, base_parts = scorer(base.images, prompts, metadata)
         tuned_total, tuned_parts = scorer(tuned.images, prompts, metadata)
+        guided_parts = scorer(guided.images, prompts, metadata)[1] if guided is not None else None
     finally:
         scorer.close()
     table = pd.DataFrame({"prompt": prompts, "seed": seeds, "base_reward": base_total, "tuned_reward": tuned_total})
@@ -127,11 +134,16 @@ def evaluate_lora(
         table[f"tuned_{name}"] = tuned_parts[name].scores
         summary[f"eval/{name}_mean"] = float(np.mean(tuned_parts[name].scores))
         summary[f"eval/base_{name}_mean"] = float(np.mean(base_parts[name].scores))
+        sides = [("base", base_parts), ("tuned", tuned_parts)]
+        if guided_parts is not None:  # the base with CFG: the bar of a CFG-free tuned model
+            sides.append(("base_cfg", guided_parts))
+            table[f"base_cfg_{name}"] = guided_parts[name].scores
+            summary[f"eval/base_cfg_{name}_mean"] = float(np.mean(guided_parts[name].scores))
         for key in tuned_parts[name].per_sample:  # e.g. geneval_mini's success: accuracy overall and per category
-            for side, parts in (("base", base_parts), ("tuned", tuned_parts)):
+            for side, parts in sides:
                 column = f"{side}_{name}_{key}"
                 table[column] = np.asarray(parts[name].per_sample[key], dtype=float)
-                prefix = f"eval/{'base_' if side == 'base' else ''}{name}_{key}"
+                prefix = f"eval/{'' if side == 'tuned' else side + '_'}{name}_{key}"
                 summary[prefix] = float(table[column].mean())
                 if key == "success":  # a row (prompt and input) any of whose seeds succeeds: pass@seeds_per_prompt
                     summary[f"{prefix}/prompts_with_a_success"] = prompts_with_a_success(table[column], groups)
@@ -154,6 +166,8 @@ def evaluate_lora(
             "eval/base_diversity": diversity(base.images, prompts),
         }
     )
+    if guided is not None:
+        summary["eval/base_cfg_guidance_scale"] = float(cfg.eval.base_guidance_scale)
     bands = [side_by_side(base.images), side_by_side(tuned.images)]  # video: one grid per frame
     grid = stacked(bands if inputs is None else [side_by_side(inputs), *bands])
     return EvalResult(table, summary, grid, base.images, tuned.images, inputs)

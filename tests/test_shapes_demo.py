@@ -39,3 +39,23 @@ def test_one_step_on_the_shapes_world_and_a_per_category_evaluation(tmp_path):
     for side in ("", "base_"):
         per_category = [ev.summary[f"eval/{side}geneval_mini_success/{c}"] for c in CATEGORIES]
         assert sum(per_category) / len(CATEGORIES) == pytest.approx(ev.summary[f"eval/{side}geneval_mini_success"])
+
+
+def test_the_base_with_guidance_is_sampled_on_the_same_seeds(tmp_path):
+    """eval.base_guidance_scale samples the base a second time at that CFG scale, same seeds: its
+    columns are what an evaluation at that scale gives the base, and the bar is reported beside both."""
+    common = SMALL + ["eval.guidance_scale=1", "eval.seeds_per_prompt=2", "eval.base_guidance_scale=0"]
+    cfg = load_config("tiny-cpu-shapes", overrides=common)
+    result = train(cfg, tmp_path / "run", resume=None, progress=False)
+    test = load_prompts(cfg.data).test
+    rows = [next(r for r in test if r["category"] == c) for c in ("single", "two")]
+    def evaluate(*extra):
+        return evaluate_lora(load_config("tiny-cpu-shapes", overrides=common + list(extra)), rows, result.model_dir)
+
+    both, at_cfg = evaluate("eval.base_guidance_scale=4.5"), evaluate("eval.guidance_scale=4.5")
+    assert both.table["base_cfg_geneval_mini"].tolist() == at_cfg.table["base_geneval_mini"].tolist()
+    assert both.summary["eval/base_cfg_geneval_mini_success"] == at_cfg.summary["eval/base_geneval_mini_success"]
+    assert both.summary["eval/base_cfg_guidance_scale"] == 4.5
+    assert both.table["base_geneval_mini"].tolist() != both.table["base_cfg_geneval_mini"].tolist()
+    plain = evaluate_lora(cfg, rows, result.model_dir)  # 0: not sampled
+    assert "base_cfg_geneval_mini" not in plain.table and "eval/base_cfg_guidance_scale" not in plain.summary

@@ -223,6 +223,10 @@ class EvalConfig:
     guidance_scale_2: NonNegativeFloat = option(
         0.0, "Two experts (Wan2.2 A14B): the evaluation's CFG scale of the low-noise expert's steps; 0 = guidance_scale"
     )
+    base_guidance_scale: NonNegativeFloat = option(
+        0.0, "Also sample the base model at this CFG scale (same seeds): the eval/base_cfg_* figures, the bar a "
+        "CFG-free tuned model is held to (0 = off)"
+    )
     num_prompts: NonNegativeInt = option(8, "Held-out prompts evaluated (0 = all)")
     seeds_per_prompt: PositiveInt = option(
         1, "Samples per held-out prompt in the evaluation (seeds seed, seed + 1, ...)"
