@@ -150,15 +150,9 @@ def input_digests(cfg: Config, prompts=None, sft_rows: list[dict] | None = None)
 
 def file_digest(uri: str) -> str:
     """sha256 (16 hex) of the file at a local path or an object-store URI."""
-    import hashlib
+    from diffusionrl.digest import file_sha256
 
-    import fsspec
-
-    h = hashlib.sha256()
-    with fsspec.open(uri, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+    return file_sha256(uri).hexdigest()[:16]
 
 
 def sft_config(cfg: Config, steps: int | None = None, overrides: list[str] = (), source: str | None = None) -> Config:

@@ -72,10 +72,8 @@ def project_dependencies(pyproject: Path = PYPROJECT) -> list[str]:
     """
     if not pyproject.is_file():
         return []
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+    import tomllib
+
     with pyproject.open("rb") as f:
         return list(tomllib.load(f)["project"]["dependencies"])
 

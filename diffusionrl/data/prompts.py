@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from diffusionrl.digest import file_sha256
+
 from .images import image_base, resolve_row_image, resolve_row_images
 from .objects import generate_object_prompts
 from .readers import READERS, PromptDataError, hf_download, read_file
@@ -163,7 +165,7 @@ def source_fingerprint(source: str) -> str:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
     for f in files:
         digest.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
-        digest.update(hashlib.sha256(f.read_bytes()).digest())
+        digest.update(file_sha256(f).digest())
     return digest.hexdigest()[:16] if files else f"missing-{digest.hexdigest()[:16]}"
 
 

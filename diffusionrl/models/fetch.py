@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from diffusionrl.digest import file_sha256
+
 from .base import hf_token
 from .families import adapter_class, check_weights, local_folder, save_builtin
 
@@ -36,9 +38,7 @@ def folder_digest(folder: str | Path) -> str:
         if rel.startswith(".cache/") or "/.cache/" in rel:
             continue
         h.update(rel.encode() + b"\x00")
-        with path.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+        file_sha256(path, into=h)
     return h.hexdigest()
 
 

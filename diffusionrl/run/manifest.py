@@ -14,12 +14,12 @@ is damaged. No torch import here: ``run.folder`` verifies pulled checkpoints wit
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import struct
 from pathlib import Path
 
+from diffusionrl.digest import file_sha256
 from diffusionrl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,7 @@ class CheckpointDamaged(UserError):
 
 
 def sha256_file(path: Path) -> str:
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+    return file_sha256(path).hexdigest()
 
 
 def write_manifest(directory: str | Path) -> Path:

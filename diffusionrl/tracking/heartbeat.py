@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from .store import client
 
@@ -62,7 +62,7 @@ def stamp(now: float | None = None) -> str:
 
 
 def utc(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def beat(uri: str, run_ids, now: float | None = None) -> None:
