@@ -50,7 +50,7 @@ KEYS = (
     "alarm/hacking",
 )
 
-# Config keys a resumed image run may change (``run.loop.RUN_CONTROL_KEYS`` and these): how long to
+# Config keys a resumed image run (RL or SFT) may change (``run.loop.RUN_CONTROL_KEYS`` and these): how long to
 # run, checkpoint cadence, what is logged, and the layout (ranks, engines, actors, threads, device),
 # which does not change the objective (2 ranks give one process's gradient, docs/scaling.md).
 FREE_KEYS = RUN_CONTROL_KEYS + (
@@ -120,10 +120,10 @@ def build_sft_loop(cfg: Config, out_dir: str | Path, *, callbacks: list[Callback
     worker = LocalPolicyWorker(cfg, model_path=model_path, engine_factory=SFTBackend.no_engine)
     tc = cfg.train
     schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints,
-                        postfix_metric="train/loss")
+                        postfix_metric="train/loss", postfix_label="loss")
     return RunLoop(SFTBackend(cfg, out_dir, worker, rows), out_dir, schedule, cfg.to_dict(),
                    callbacks=[*(callbacks or []), UpdateGuard(cfg.train)], progress=progress,
-                   inputs=input_digests(cfg, sft_rows=rows))
+                   free_keys=FREE_KEYS, inputs=input_digests(cfg, sft_rows=rows))
 
 
 def input_digests(cfg: Config, prompts=None, sft_rows: list[dict] | None = None) -> dict[str, str]:

@@ -155,6 +155,18 @@ def test_sft_trains_two_steps_resumes_only_as_sft_and_warm_starts_rl(tmp_path):
     assert again.steps_done == 1
 
 
+def test_sft_resumes_after_a_run_control_change(tmp_path, capfd):
+    """More steps or another reward layout is no new objective: the warm start goes on from its checkpoint."""
+    first = train(tiny_config("train.steps=1", preset=SFT), tmp_path, resume=None)
+    assert first.steps_done == 1
+    assert "sft step 1/1: loss " in capfd.readouterr().err  # its progress line names what it shows
+    more = train(tiny_config("train.steps=2", "reward.num_actors=2", preset=SFT), tmp_path, resume="auto")
+    assert more.steps_done == 2 and [m["step"] for m in more.metrics] == [1, 2]
+    assert more.metrics[0] == first.metrics[0]  # step 1 is the first run's, not trained again
+    with pytest.raises(CheckpointMismatch, match="learning_rate"):
+        train(tiny_config("train.steps=3", "train.learning_rate=0.5", preset=SFT), tmp_path, resume="auto")
+
+
 def test_configuration_fails_closed(tmp_path):
     with pytest.raises(ConfigError, match="sft_source"):
         tiny_config("algorithm.sft_source=", preset=SFT)

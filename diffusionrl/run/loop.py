@@ -97,6 +97,7 @@ class Schedule:
     checkpoint_every: int  # 0: only at the end
     keep_checkpoints: int  # newest checkpoints kept (0: all)
     postfix_metric: str = "rollout/reward/raw_mean"  # shown beside the progress bar
+    postfix_label: str = "reward"  # what that metric is called there
 
 
 @dataclass
@@ -269,15 +270,15 @@ class RunLoop:
             owner.check()  # a lost lease (object-store run folder) stops the run before it writes
             t0 = time.perf_counter()
             metrics = self.run_step(step)
-            reward = metrics.get(self.schedule.postfix_metric)
-            if reward is not None:
-                bar.set_postfix(reward=f"{reward:.4f}")
+            shown, label = metrics.get(self.schedule.postfix_metric), self.schedule.postfix_label
+            if shown is not None:
+                bar.set_postfix({label: f"{shown:.4f}"})
             if (every and self.step % every == 0) or self.step == last:
                 owner.check()
                 ckpt = self.checkpoint()
             if lines:
                 progress_line(f"{self.backend.progress_label} step {self.step}/{total}"
-                              + (f": reward {reward:.4f}" if reward is not None else "")
+                              + (f": {label} {shown:.4f}" if shown is not None else "")
                               + f", {time.perf_counter() - t0:.1f} s")
         model_dir, extra = self.backend.save_outputs(self.step)
         for cb in self.callbacks:
