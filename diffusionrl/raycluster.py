@@ -19,9 +19,10 @@ Environment (read at each call, so a test or a task can set them):
   cluster joined through ``$RAY_ADDRESS`` (KubeRay, ``ray start``) is taken to autoscale and a
   Ray this process started is not.
 
-A Ray this process starts (``start_local_ray``: no ``$RAY_ADDRESS``) serves this process alone,
-so every server of it (GCS, raylet, workers, agents) listens on 127.0.0.1 only; a cluster is joined
-as it was configured.
+A run needs Ray for reward actors or trainer ranks: ``ensure_ray`` joins the cluster ``$RAY_ADDRESS``
+names, else starts one. A Ray this process starts (``start_local_ray``) serves this process alone, so
+every server of it (GCS, raylet, workers, agents) listens on 127.0.0.1 only; a cluster is joined as
+it was configured.
 """
 
 from __future__ import annotations
@@ -80,6 +81,20 @@ def start_local_ray(num_cpus: int, **kwargs) -> None:
             os.environ.pop(env, None)
         else:
             os.environ[env] = saved_env
+
+
+def ensure_ray(num_cpus: int) -> bool:
+    """Start a local Ray with ``num_cpus`` CPUs unless one is running; True if this call started it.
+    A local Ray listens on 127.0.0.1 only (``start_local_ray``)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):  # a running cluster (KubeRay, `ray start`): join it, do not size it
+        ray.init()
+        return False
+    start_local_ray(num_cpus)
+    return True
 
 
 def seconds(env: str) -> float:

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from diffusionrl.video import gif_bytes
+from diffusionrl.video import gif_bytes, png_bytes
 
 
 def _png_b64(image: np.ndarray) -> str:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(image).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(png_bytes(image)).decode()
 
 
 def _img(image: np.ndarray, alt: str, width: int | None = None) -> str:

@@ -153,7 +153,7 @@ class OnDemandRayJobConfig(RayJobConfig):
     starts no Ray of its own: flytekit's Ray task calls ``ray.init()`` before the body in every
     local run (~5 s, plus a dashboard and idle workers competing for the cores while training),
     whereas the library starts a local Ray itself when the config needs one
-    (``rewards.pool.ensure_ray``: reward actors, ``train.world_size > 1``)."""
+    (``raycluster.ensure_ray``: reward actors, ``train.world_size > 1``)."""
 
 
 class OnDemandRayTask(RayFunctionTask):

@@ -1,6 +1,6 @@
 """Servers a run starts on this machine listen on loopback only, unless a cluster address is configured.
 
-A local Ray (``rewards.pool.ensure_ray`` -> ``raycluster.start_local_ray``, what reward actors and
+A local Ray (``raycluster.ensure_ray`` -> ``start_local_ray``, what reward actors and
 ``train.world_size > 1`` start) is started here the way a run starts it, in a process of its own
 that imported Ray first (as flytekit's Ray plugin does), and every listening socket of that
 process and of everything it spawned is read from ``psutil``. The SGLang server's own sockets are
@@ -18,7 +18,7 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 LISTENERS = """
 import json, sys, time
 import psutil, ray  # ray first: its constants are read at import (tasks/resources.py imports it early)
-from diffusionrl.rewards.pool import ensure_ray
+from diffusionrl.raycluster import ensure_ray
 
 assert ensure_ray(1)
 time.sleep(1.0)  # the agents open their ports right after ray.init returns

@@ -8,7 +8,7 @@ from diffusionrl.rewards import MixtureReward
 from diffusionrl.rewards.base import RewardResult
 from diffusionrl.rewards.video import TemporalConsistencyReward, frame_difference, score_samples
 from diffusionrl.trajectory import TrajectoryError
-from diffusionrl.video import gif_bytes, grid, read_frames, save_picture, side_by_side, stacked
+from diffusionrl.video import gif_bytes, grid, png_bytes, read_frames, save_picture, side_by_side, stacked
 
 
 def videos(b=3, f=5, h=8, w=6, seed=0):
@@ -23,6 +23,21 @@ def test_grids_of_videos_are_videos_and_of_images_images():
     g = grid(v, cols=2)  # 2 rows, the empty cell black
     assert g.shape == (5, 16, 12, 3) and not g[:, 8:, 6:].any() and np.array_equal(g[:, 8:, :6], v[2])
     assert grid(v[:, 0], cols=2).shape == (16, 12, 3)  # images: the same layout without frames
+
+
+def test_png_bytes_is_the_one_lossless_rgb_encoder():
+    from diffusionrl.data import shape_edits
+    from diffusionrl.data.images import decode_image
+    from diffusionrl.trajectory import store
+
+    image = videos(b=1, f=1, h=9, w=7)[0, 0]
+    for level in (0, 1, 9):
+        data = png_bytes(image, compress_level=level)
+        assert data[:4] == b"\x89PNG"
+        assert np.array_equal(decode_image(data), image) and np.array_equal(read_frames(data), image)
+    assert shape_edits.png_bytes is png_bytes and store.png_bytes is png_bytes
+    with pytest.raises(ValueError, match=r"uint8 RGB image \[H, W, 3\]"):
+        png_bytes(image[..., 0])
 
 
 def test_gif_keeps_every_frame_and_save_picture_picks_the_format(tmp_path):

@@ -14,7 +14,7 @@ with ``BlockRefinementScheduler`` (``gemma_rollout``).
 - a folder written by ``DiffusionGemmaAdapter.save`` (``bdlm_model.json`` + the Hugging Face
   files), read offline with ``from_pretrained``;
 - a hub id (``google/diffusiongemma-...``) at ``model.revision`` with ``$HF_TOKEN``, as the image
-  loaders do (``models.base.hf_token``). Its vocabulary is not the digit vocabulary, so the digit
+  loaders do (``hub.hf_token``). Its vocabulary is not the digit vocabulary, so the digit
   tasks refuse it (``check_digit_vocab``); the pipeline and the processor load all the same.
 
 Compatibility: diffusers 0.42.1's pipeline calls the decoder's
@@ -161,7 +161,7 @@ def load_diffusiongemma(reference: str | Path, revision: str = "") -> DiffusionG
     """A saved folder (offline, ``from_pretrained``) or a hub id at ``revision`` with ``$HF_TOKEN``."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from diffusionrl.models.base import hf_token
+    from diffusionrl.hub import hf_token
 
     directory = Path(reference)
     if (directory / MODEL_FILE).is_file():

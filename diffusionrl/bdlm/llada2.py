@@ -63,7 +63,7 @@ def load_llada2(reference, revision: str = "") -> LLaDA2Adapter:
 
     from transformers import AutoModelForMaskedLM
 
-    from diffusionrl.models.base import hf_token
+    from diffusionrl.hub import hf_token
 
     directory = Path(reference)
     if (directory / MODEL_FILE).is_file():

@@ -81,7 +81,7 @@ def hf_download(source: str) -> Path:
     """``hf://datasets/<owner>/<repo>/<path>[@revision]`` -> local file (uses HF_TOKEN)."""
     from huggingface_hub import hf_hub_download
 
-    from diffusionrl.models.sd3 import hf_token
+    from diffusionrl.hub import hf_token
 
     spec = source[len("hf://datasets/") :]
     revision = None

@@ -37,12 +37,13 @@ after another, so the same seed gives the same rows.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 from typing import Any
 
 import numpy as np
+
+from diffusionrl.video import png_bytes
 
 from .shapes import COLORS, RELATIONS, SHAPES, apart, draw_scene, layout, object_box, relations
 
@@ -196,14 +197,6 @@ def _scene(category: str, rng: np.random.Generator, resolution: int) -> list[dic
     n = int(rng.integers(low, high + 1))
     objects = [{"shape": str(rng.choice(SHAPES)), "color": str(rng.choice(list(COLORS))), "count": 1} for _ in range(n)]
     return [_round(o) for o in layout({"objects": objects, "relation": None}, rng, resolution)]
-
-
-def png_bytes(image: np.ndarray) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(np.asarray(image, dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def scene_json(scene: dict[str, Any]) -> str:

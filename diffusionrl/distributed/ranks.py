@@ -40,8 +40,6 @@ class RankGroup:
     def __init__(self, cfg, model_path: str | None = None, threads_per_rank: int = 1, engine_factory=None):
         import ray
 
-        from diffusionrl.rewards.pool import ensure_ray
-
         if not objective(cfg.algorithm.name).ranks:
             raise ValueError(
                 f"train.world_size={cfg.train.world_size} supports algorithm.name={'/'.join(RANKED)} today, not "
@@ -52,7 +50,7 @@ class RankGroup:
         check_inputs(cfg, model_path)  # here, in one line, not as a traceback from every rank's actor
         self.cfg = cfg
         tc = cfg.train
-        ensure_ray(max(2, tc.world_size * tc.cpus_per_bundle + cfg.reward.num_actors))
+        raycluster.ensure_ray(max(2, tc.world_size * tc.cpus_per_bundle + cfg.reward.num_actors))
         self.placement = build_placement(tc)
         addr, port = node_address_and_port()
         cls = ray.remote(TrainerRank)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from .base import FlowAdapter, hf_token, module_digest, resolve_device
+from diffusionrl.hub import hf_token
+
+from .base import FlowAdapter, module_digest, resolve_device
 from .families import ADAPTERS, adapter_class, load_adapter, load_pipeline, pipeline_class_of, save_builtin
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter

@@ -25,11 +25,11 @@ import contextlib
 import copy
 import hashlib
 import logging
-import os
 
 import numpy as np
 import torch
 
+from diffusionrl.hub import hf_token  # noqa: F401  (models.sd3 and serving.video_model import it from here)
 from diffusionrl.trajectory import Conditioning
 
 from .lora import LoraTargets
@@ -43,11 +43,6 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def hf_token() -> str | None:
-    """The Hugging Face token from the environment (never logged; see tracking for redaction)."""
-    return os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
 
 
 def dtype_kwargs(dtype: torch.dtype) -> dict:

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from diffusionrl.errors import UserError
+from diffusionrl.hub import hf_token
 
-from .base import DTYPES, FlowAdapter, dtype_kwargs, hf_token, no_progress_bars, resolve_device
+from .base import DTYPES, FlowAdapter, dtype_kwargs, no_progress_bars, resolve_device
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter

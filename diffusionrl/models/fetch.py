@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from diffusionrl.digest import file_sha256
+from diffusionrl.hub import hf_token
 
-from .base import hf_token
 from .families import adapter_class, check_weights, local_folder, save_builtin
 
 log = logging.getLogger(__name__)

@@ -43,11 +43,13 @@ class PickScoreReward(Reward):
     @classmethod
     def from_pretrained(cls, processor_id: str = DEFAULT_PROCESSOR, model_id: str = DEFAULT_MODEL, device=None,
                         token=None):
-        """Load from hub ids or local folders; ``token`` defaults to $HF_TOKEN (for gated mirrors)."""
+        """Load from hub ids or local folders; ``token`` defaults to ``hub.hf_token()`` (for gated mirrors)."""
         import torch
         from transformers import AutoModel, AutoProcessor
 
-        token = token or os.environ.get("HF_TOKEN") or None
+        from diffusionrl.hub import hf_token
+
+        token = token or hf_token()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         try:

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from diffusionrl import raycluster
+from diffusionrl.raycluster import ensure_ray
 
 from .base import RewardResult, set_reward_threads
 from .mixture import MixtureReward
@@ -56,20 +57,6 @@ def pin_to_cores(slot: int, threads: int) -> set[int]:
     mine = {cores[(slot * threads + j) % len(cores)] for j in range(threads)}
     os.sched_setaffinity(0, mine)
     return mine
-
-
-def ensure_ray(num_cpus: int) -> bool:
-    """Start a local Ray with ``num_cpus`` CPUs unless one is running; True if this call started it.
-    A local Ray listens on 127.0.0.1 only (``raycluster.start_local_ray``)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):  # a running cluster (KubeRay, `ray start`): join it, do not size it
-        ray.init()
-        return False
-    raycluster.start_local_ray(num_cpus)
-    return True
 
 
 # A node that offers this custom resource is meant for reward actors (the train task's `reward-cpu`

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import torch
 
 from diffusionrl.errors import UserError
+from diffusionrl.video import png_bytes
 
 from .batch import Conditioning, Trajectory
 
@@ -148,23 +149,6 @@ def _input_image_metadata(d: dict, metadata: list[dict]) -> list[dict]:
     return metadata
 
 
-def _png(image: np.ndarray) -> bytes:
-    """Lossless PNG bytes of an RGB ``[H, W, 3]`` uint8 image (zlib level 1: ~2.5x faster than 6, ~15% larger).
-
-    OpenCV's encoder, not Pillow's: OpenCV lets go of the GIL while it encodes, so the trajectory
-    writer's thread no longer holds up the training thread's Python (Pillow's encoder keeps the GIL:
-    over ``bench/pipeline_overhead.py``'s 40 demo steps that cost the steps ~5 s). Any PNG reader
-    (Pillow, pandas users) reads the bytes back; the colour order is RGB like every PNG.
-    """
-    import cv2
-
-    bgr = np.ascontiguousarray(image[..., ::-1])  # OpenCV takes BGR
-    ok, buf = cv2.imencode(".png", bgr, [cv2.IMWRITE_PNG_COMPRESSION, 1])
-    if not ok:
-        raise ValueError(f"PNG encoding failed for an image of shape {image.shape} ({image.dtype})")
-    return buf.tobytes()
-
-
 def _flat(t: torch.Tensor) -> list[np.ndarray]:
     return [row.reshape(-1).numpy().astype(np.float32) for row in t.detach().cpu().float()]
 
@@ -205,9 +189,9 @@ def trajectory_table(
     for name, values in sorted(traj.reward_components.items()):
         cols[f"reward_{name}"] = pa.array(values.numpy(), pa.float32())
     if images and traj.images is not None and traj.images.ndim == 5:  # videos: lossless PNG frames
-        cols["frames_png"] = pa.array([[_png(f) for f in video] for video in traj.images], pa.list_(pa.binary()))
+        cols["frames_png"] = pa.array([[png_bytes(f) for f in video] for video in traj.images], pa.list_(pa.binary()))
     elif images and traj.images is not None:
-        cols["image_png"] = pa.array([_png(im) for im in traj.images], pa.binary())
+        cols["image_png"] = pa.array([png_bytes(im) for im in traj.images], pa.binary())
     if latents:
         cols["latents"] = pa.array(_flat(traj.latents), pa.list_(pa.float32()))
         cols["latent_shape"] = pa.array([list(traj.latents.shape[1:])] * b, pa.list_(pa.int32()))
