@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -160,15 +159,25 @@ def ensure_experiment(uri: str, name: str) -> str:
 
 
 def with_retries(fn: Callable[[], T], attempts: int, what: str, base_delay_s: float = 0.5) -> T:
-    """Call ``fn`` up to ``attempts`` times with exponential backoff; re-raise the last error."""
-    for i in range(attempts):
-        try:
-            return fn()
-        except Exception as exc:  # transient store errors have many types
-            if i == attempts - 1:
-                raise
-            delay = base_delay_s * 2**i
-            log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", what, type(exc).__name__, exc, i + 1,
-                        attempts - 1, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+    """Call ``fn`` until it returns, on any exception (transient store errors have many types), with
+    tenacity's exponential backoff.
+
+    Args:
+        fn (`Callable[[], T]`): the call to make.
+        attempts (`int`): calls at most, the first included; the last one's error is raised as it is.
+        what (`str`): what the call does, for the warning logged before each retry.
+        base_delay_s (`float`, *optional*, defaults to 0.5): the wait before the first retry, doubled after each.
+
+    Returns:
+        `T`: what ``fn`` returned.
+    """
+    from tenacity import Retrying, stop_after_attempt, wait_exponential
+
+    def warn(state) -> None:
+        exc = state.outcome.exception()
+        log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", what, type(exc).__name__, exc,
+                    state.attempt_number, attempts - 1, state.upcoming_sleep)
+
+    retrying = Retrying(stop=stop_after_attempt(max(1, attempts)), reraise=True, before_sleep=warn,
+                        wait=wait_exponential(multiplier=base_delay_s, exp_base=2, min=0))
+    return retrying(fn)

@@ -289,14 +289,19 @@ class SGLangServer:
 
     def start(self, attempts: int = 3) -> None:
         """Launch and wait for ``/health``; with a free port picked here, a port taken meanwhile
-        by another process (the server exits on the bind error) is retried on a new port."""
-        for attempt in range(1, attempts + 1):
-            try:
-                return self._start_once()
-            except SGLangServerError as exc:
-                if self.requested_port or attempt == attempts or "address already in use" not in str(exc).lower():
-                    raise
-                log.warning("sglang port %d was taken while the server started; retrying on another port", self.port)
+        by another process (the server exits on the bind error) is retried on a new port, ``attempts``
+        starts at most (tenacity)."""
+        from tenacity import Retrying, retry_if_exception, stop_after_attempt
+
+        def port_taken(exc: BaseException) -> bool:
+            return (not self.requested_port and isinstance(exc, SGLangServerError)
+                    and "address already in use" in str(exc).lower())
+
+        def warn(_state) -> None:
+            log.warning("sglang port %d was taken while the server started; retrying on another port", self.port)
+
+        Retrying(stop=stop_after_attempt(attempts), retry=retry_if_exception(port_taken), before_sleep=warn,
+                 reraise=True)(self._start_once)
 
     def _start_once(self) -> None:
         import requests
