@@ -154,3 +154,82 @@ def test_a_remote_datasets_relative_images_stay_under_its_own_location():
         read_image_bytes("../x.png", "hf://datasets/o/r@v1", "row 1")
     with pytest.raises(PromptDataError, match="comes? from no dataset folder"):
         read_image_bytes("imgs/0.png", None, "gen row 1")
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width x height`` pixels, with no pixel data behind it (a decompression bomb's
+    first bytes: PIL reads the size from the header alone)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def big_png() -> bytes:
+    """A real 12000 x 12000 image (144 MP: PIL only warns) of 1-bit pixels, a small file."""
+    buf = io.BytesIO()
+    Image.new("1", (12000, 12000)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_an_image_over_the_pixel_bound_is_refused_from_its_header_naming_the_row(tmp_path):
+    """A header that claims 400 MP ended in PIL's DecompressionBombError naming no file, a real 144 MP image was
+    decoded with only PIL's warning: both are one line naming the row and the bound, nothing decoded, no warning."""
+    import warnings
+
+    from diffusionrl.data import load_image_pairs
+    from diffusionrl.data.images import MAX_IMAGE_PIXELS
+
+    write_images(tmp_path)
+    (tmp_path / "imgs" / "bomb.png").write_bytes(png_header(20000, 20000))
+    (tmp_path / "imgs" / "big.png").write_bytes(big_png())
+    path = tmp_path / "edits.jsonl"
+    for name, claim in (("bomb.png", r"400000000 pixels \(400 MP\)"), ("big.png", r"12000x12000 pixels \(144 MP\)")):
+        path.write_text(json.dumps({"prompt": "a", "image": "imgs/0.png"}) + "\n"
+                        + json.dumps({"prompt": "b", "image": f"imgs/{name}"}) + "\n")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # PIL's DecompressionBombWarning would fail here
+            with pytest.raises(PromptDataError, match=rf"edits.jsonl:2: the image is {claim}, over the bound of "
+                                                      rf"{MAX_IMAGE_PIXELS} pixels .*; downscale it") as err:
+                load_prompts(DataConfig(source=str(path)))
+        assert "\n" not in str(err.value)
+    pq.write_table(pa.table({"prompt": ["p0", "p1"], "image": [png((1, 2, 3)), png_header(5000, 5000)]}),
+                   tmp_path / "e.parquet")
+    with pytest.raises(PromptDataError, match=r"e.parquet: row 2: the image is 5000x5000 pixels \(25 MP\), over"):
+        load_prompts(DataConfig(source=str(tmp_path / "e.parquet")))
+    ok = png((1, 2, 3), size=(4096, 4096))  # at the bound: accepted
+    pq.write_table(pa.table({"prompt": ["p0", "p1"], "image": [ok, png((4, 5, 6))]}), tmp_path / "e.parquet")
+    assert len(load_prompts(DataConfig(source=str(tmp_path / "e.parquet"))).train) == 1
+    # the SFT pairs' images too
+    pq.write_table(pa.table({"prompt": ["p0"], "image": [png_header(20000, 20000)]}), tmp_path / "pairs.parquet")
+    with pytest.raises(PromptDataError, match=r"pairs.parquet: row 0: the image is 400000000 pixels"):
+        load_image_pairs(str(tmp_path / "pairs.parquet"), 16)
+
+
+def test_rows_with_and_without_an_image_fail_at_load_naming_the_first_that_differs(tmp_path):
+    """A dataset mixing edits and generations failed at the training step that drew both (row_images); it fails
+    when loaded, naming the row."""
+    write_images(tmp_path)
+    path = tmp_path / "edits.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "a", "image": "imgs/0.png"}, {"prompt": "b", "image": "imgs/1.png"}, {"prompt": "c"},
+        {"prompt": "d"}]) + "\n")
+    with pytest.raises(PromptDataError, match=r"edits.jsonl:3: this row has no 'image', while the rows before it "
+                                              r"have one \(from .*edits.jsonl:1\); give every row"):
+        load_prompts(DataConfig(source=str(path)))
+    path.write_text("\n\n" + "\n".join(json.dumps(r) for r in [
+        {"prompt": "a"}, {"prompt": "b"}, {"prompt": "c", "image": "imgs/2.png"}]) + "\n")
+    with pytest.raises(PromptDataError, match=r"edits.jsonl:5: this row has an 'image', while the rows before it "
+                                              r"have none \(from .*edits.jsonl:3\)"):
+        load_prompts(DataConfig(source=str(path)))
+    data = tmp_path / "set"  # a folder: train with images, test without
+    data.mkdir()
+    write_images(data)
+    (data / "train.jsonl").write_text(json.dumps({"prompt": "t", "image": "imgs/0.png"}) + "\n")
+    (data / "test.jsonl").write_text(json.dumps({"prompt": "h"}) + "\n")
+    with pytest.raises(PromptDataError, match=r"set/test.jsonl:1: this row has no 'image'.*set/train.jsonl:1"):
+        load_prompts(DataConfig(source=str(data)))

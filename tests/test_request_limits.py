@@ -178,3 +178,86 @@ def test_a_logged_image_lora_serves_within_bounds_and_refuses_outside_them(tmp_p
     torch.manual_seed(cfg.eval.seed)
     off = np.asarray(Image.open(io.BytesIO(stock.predict({"prompt": "a red cat"})[0])).convert("RGB")).astype(int)
     assert np.abs(off - ev.tuned_images[0]).max() > 0
+
+
+class FakeEdit:
+    """An editing pipeline's call surface (as FluxKontextPipeline's): it records the input image it is given."""
+
+    default_sample_size, vae_scale_factor = 2, 8
+
+    def __init__(self):
+        self.images = []
+        self.image_processor = type("Processor", (), {"resize": staticmethod(lambda im, h, w: im.resize((w, h)))})()
+
+    def __call__(self, prompt, image=None, height=None, width=None, num_inference_steps=None, guidance_scale=None,
+                 negative_prompt=None, max_area=None, _auto_resize=True):
+        from PIL import Image
+
+        self.images.append(image)
+        return type("Out", (), {"images": [Image.new("RGB", (width, height))]})()
+
+
+def test_an_edit_request_as_json_inputs_edits_the_png_and_its_errors_echo_no_image(tmp_path):
+    """The REST body {"inputs": {"prompt": ..., "image": <base64>}} reached predict with the base64 text as bytes,
+    refused as "not a readable image"; it edits the PNG, as the other forms do. An image over the pixel bound (a
+    header claiming 400 MP) is refused from its header in one line, and MLflow's scoring server, which rewrites
+    every error as "Failed to predict data '<the request>'", leaves that line (no image bytes) as it is; so does
+    a prompt/image count mismatch."""
+    import base64
+    import io
+    import json
+    import types
+
+    import mlflow.pyfunc
+    import torch
+    from mlflow.models import Model
+    from mlflow.pyfunc.scoring_server import invocations
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from diffusionrl.data.images import MAX_IMAGE_PIXELS as DATA_BOUND
+    from diffusionrl.serving import model_signature
+    from diffusionrl.serving.request_limits import MAX_IMAGE_PIXELS, save_model
+
+    from .test_data_images import png_header
+
+    assert MAX_IMAGE_PIXELS == DATA_BOUND  # the served bound is the training data's
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file({"w": torch.zeros(2)}, str(adapter / "pytorch_lora_weights.safetensors"))
+    editing = types.SimpleNamespace(editing=True, served_guidance=lambda g: g)
+    save_model(tmp_path / "model", Model(), adapter_path=str(adapter), base_model=str(tmp_path / "no-base"),
+               signature=model_signature(tiny_config(), editing))
+    model = mlflow.pyfunc.load_model(str(tmp_path / "model"))
+    pipeline = FakeEdit()
+    model._model_impl.inner = types.SimpleNamespace(get_raw_model=lambda: pipeline)
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 10)).save(buf, format="PNG")
+    source, b64 = buf.getvalue(), base64.b64encode(buf.getvalue()).decode()
+    schema = model.metadata.get_input_schema()
+    params = {"num_inference_steps": 2, "height": 16, "width": 16}
+    for body in ({"inputs": {"prompt": "make it blue", "image": b64}, "params": params},
+                 {"dataframe_split": {"columns": ["prompt", "image"], "data": [["make it blue", b64]]},
+                  "params": params}):
+        answer = invocations(json.dumps(body), "application/json", model, schema)
+        assert answer.status == 200, answer.response
+        (png,) = json.loads(answer.response)["predictions"]
+        assert Image.open(io.BytesIO(base64.b64decode(png))).size == (16, 16)
+    model.predict({"prompt": "make it blue", "image": source}, params=params)  # bytes, in the process
+    assert len(pipeline.images) == 3
+    for image in pipeline.images:  # the sent PNG, resized to the output's area
+        assert image.size == (16, 16) and image.getpixel((8, 8)) == (200, 30, 10)
+
+    bomb = base64.b64encode(png_header(20000, 20000)).decode()
+    line = (f"request: image 0 is 400000000 pixels (400 MP), over the bound of {MAX_IMAGE_PIXELS} pixels "
+            "(4096x4096) an input image may have; downscale it")
+    with pytest.raises(MlflowException) as err:
+        invocations(json.dumps({"inputs": {"prompt": "make it blue", "image": bomb}}), "application/json", model,
+                    schema)
+    assert err.value.message == line and err.value.get_http_status_code() == 400
+    with pytest.raises(MlflowException, match=r"12000x12000 pixels \(144 MP\), over the bound"):
+        model.predict({"prompt": "x", "image": base64.b64encode(png_header(12000, 12000)).decode()})
+    with pytest.raises(MlflowException) as err:
+        model.predict({"prompt": ["a", "b"], "image": [b64] * 3})
+    assert err.value.message == "request: 3 input images for 2 prompts; send one per prompt or one for all"
+    assert len(pipeline.images) == 3  # nothing refused was generated

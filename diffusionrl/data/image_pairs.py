@@ -12,7 +12,8 @@ Sources (``algorithm.sft_source``):
   tests and the tiny preset.
 
 Every row becomes ``{"prompt": str, "image": uint8 [resolution, resolution, 3]}`` (centre-cropped
-to a square, resized with Lanczos). A bad row is a ``PromptDataError`` naming its file and line.
+to a square, resized with Lanczos). A bad row is a ``PromptDataError`` naming its file and line, and so is an
+image over ``images.MAX_IMAGE_PIXELS`` (read from its header before it is decoded).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .images import confined_path
+from .images import confined_path, open_bounded
 from .readers import PromptDataError
 
 
@@ -66,7 +67,6 @@ def image_path(folder: Path, name: str, where: str) -> Path:
 
 def read_image_folder(folder: Path, resolution: int) -> list[dict[str, Any]]:
     """Images named by ``prompts.jsonl`` (or ``metadata.jsonl``) in ``folder``."""
-    from PIL import Image
 
     index = next((folder / n for n in ("prompts.jsonl", "metadata.jsonl") if (folder / n).is_file()), None)
     if index is None:
@@ -87,7 +87,7 @@ def read_image_folder(folder: Path, resolution: int) -> list[dict[str, Any]]:
         if not path.is_file():
             raise PromptDataError(f"{where}: image {name!r} not found in {folder}")
         try:
-            with Image.open(path) as im:
+            with open_bounded(path, where) as im:
                 image = to_square(im, resolution)
         except OSError as exc:
             raise PromptDataError(f"{where}: cannot read image {name!r} ({exc})") from exc
@@ -98,7 +98,6 @@ def read_image_folder(folder: Path, resolution: int) -> list[dict[str, Any]]:
 def read_image_parquet(path: Path, resolution: int) -> list[dict[str, Any]]:
     """Rows of a Parquet file with a prompt column and an ``image`` column of encoded bytes."""
     import pyarrow.parquet as pq
-    from PIL import Image
 
     table = pq.read_table(path).to_pylist()
     rows = []
@@ -109,7 +108,7 @@ def read_image_parquet(path: Path, resolution: int) -> list[dict[str, Any]]:
         if not isinstance(data, (bytes, bytearray)):
             raise PromptDataError(f"{where}: 'image' is not encoded image bytes")
         try:
-            with Image.open(io.BytesIO(data)) as im:
+            with open_bounded(io.BytesIO(data), where) as im:
                 image = to_square(im, resolution)
         except OSError as exc:
             raise PromptDataError(f"{where}: cannot decode the image ({exc})") from exc

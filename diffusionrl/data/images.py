@@ -14,7 +14,9 @@ FLUX.1 Kontext) edits as the prompt says:
 reads the bytes, checks they decode (a missing, unreadable or malformed image is a ``PromptDataError``
 naming the file and line, as other malformed rows are) and rewrites the row as
 ``image`` = a ``data:`` URI of the original bytes (the row stays JSON, self-contained on any worker),
-``image_sha256`` = their digest, and ``image_uri`` = the reference it came from (absent for bytes).
+``image_sha256`` = their digest, and ``image_uri`` = the reference it came from (absent for bytes). An image is
+at most ``MAX_IMAGE_PIXELS`` (16 MP), read from its header before anything is decoded (``open_bounded``; the SFT
+pairs' images too); every row of a dataset carries an image or none does (``check_image_rows``).
 The rollout decodes ``image`` with ``decode_image`` (``row_images`` over a batch's metadata); the
 trajectory Parquet keeps the digest, the URI and the bytes (``trajectory/store.py``).
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +35,9 @@ import numpy as np
 from .readers import PromptDataError, hf_download
 
 DATA_URI = "data:"
+# the most pixels an input image may have (16 MP), read from its header before it is decoded: PIL's own guard
+# only warns up to 179 MP and then fails naming no file (the serving code's bound: request_limits.MAX_IMAGE_PIXELS)
+MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 # URI schemes an ``image`` may name: object stores and the hub, never the machine's own files (a local
@@ -117,14 +124,44 @@ def image_base(source: str, local: Path) -> str:
     return str(local if local.is_dir() else local.parent)
 
 
+def too_large(where: str, pixels: int | None, size: tuple[int, int] | None = None) -> str:
+    """The line that refuses an image of ``pixels`` (``size``: width, height) over ``MAX_IMAGE_PIXELS``."""
+    shown = f"{size[0]}x{size[1]} pixels" if size else f"{pixels} pixels" if pixels else "larger than PIL opens"
+    mp = f" ({pixels / 1e6:.0f} MP)" if pixels else ""
+    return (f"{where}: the image is {shown}{mp}, over the bound of {MAX_IMAGE_PIXELS} pixels (4096x4096, "
+            f"{MAX_IMAGE_PIXELS / 1e6:.1f} MP) an input image may have; downscale it")
+
+
+def open_bounded(fp, where: str):
+    """``PIL.Image.open(fp)`` (lazy: only the header is read), refused in one ``PromptDataError`` naming ``where``
+    when the header's size is over ``MAX_IMAGE_PIXELS``, before anything is decoded (PIL's decompression-bomb
+    warning and error, which name no file, never reach the user). Unreadable data raises what PIL raises."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(fp)
+        except Image.DecompressionBombError as exc:
+            pixels = re.search(r"\((\d+) pixels\)", str(exc))
+            raise PromptDataError(too_large(where, int(pixels.group(1)) if pixels else None)) from None
+    if im.width * im.height > MAX_IMAGE_PIXELS:
+        im.close()
+        raise PromptDataError(too_large(where, im.width * im.height, im.size))
+    return im
+
+
 def check_image(data: bytes, where: str) -> tuple[str, tuple[int, int]]:
-    """The MIME type and ``(width, height)`` of encoded image bytes; undecodable bytes fail naming ``where``."""
+    """The MIME type and ``(width, height)`` of encoded image bytes; undecodable bytes, or an image over
+    ``MAX_IMAGE_PIXELS``, fail naming ``where``."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with open_bounded(io.BytesIO(data), where) as im:
             im.load()  # decode it all: a truncated file fails here, not in a rollout
             return Image.MIME.get(im.format, "image/png"), im.size
+    except PromptDataError:
+        raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise PromptDataError(f"{where}: the 'image' is not a readable image ({len(data)} bytes: {exc})") from exc
 
@@ -158,6 +195,22 @@ def resolve_row_images(located: list[tuple[str, dict]], base: str | Path | None 
     return [(where, resolve_row_image(row, where, base)) for where, row in located]
 
 
+def check_image_rows(located: list[tuple[str, dict]]) -> None:
+    """Every row of ``(where, row)`` pairs carries an ``image``, or none does (an edit and a generation cannot
+    share a batch): the first row that differs from the first row is one ``PromptDataError`` naming both."""
+    if not located:
+        return
+    first_where, first = located[0]
+    edits = first.get("image") is not None
+    for where, row in located[1:]:
+        if (row.get("image") is not None) != edits:
+            if edits:
+                raise PromptDataError(f"{where}: this row has no 'image', while the rows before it have one (from "
+                                      f"{first_where}); give every row of an editing dataset an image")
+            raise PromptDataError(f"{where}: this row has an 'image', while the rows before it have none (from "
+                                  f"{first_where}); give every row an image (an editing dataset) or none")
+
+
 def _from_data_uri(value: str, where: str = "image") -> bytes:
     head, sep, payload = value.partition(",")
     if not sep or not head.endswith(";base64"):
@@ -175,9 +228,7 @@ def image_bytes(value: str | bytes) -> bytes:
 
 def decode_image(value: str | bytes) -> np.ndarray:
     """A resolved row's ``image`` as RGB uint8 ``[H, W, 3]``."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(image_bytes(value))) as im:
+    with open_bounded(io.BytesIO(image_bytes(value)), "image") as im:
         return np.asarray(im.convert("RGB"))
 
 

@@ -16,7 +16,8 @@ Sources (``data.source``):
 
 A row may carry an input image (``image``: a path relative to the dataset file, a URI, or the image's bytes) for
 an editing model; ``data.images`` reads and checks it here and rewrites it as a self-contained ``data:`` URI with
-its ``image_sha256`` and ``image_uri``.
+its ``image_sha256`` and ``image_uri``. Every row of a source carries an image or none does (the first row that
+differs is named here, not in a training step).
 
 Malformed rows raise ``PromptDataError`` (a ``diffusionrl.errors.UserError``) naming the file and line, and so
 do the reward's own prompt checks (e.g. an OCR prompt without a quoted text). A UTF-8 byte-order mark is
@@ -43,7 +44,7 @@ import numpy as np
 
 from diffusionrl.digest import file_sha256
 
-from .images import image_base, resolve_row_image, resolve_row_images
+from .images import check_image_rows, image_base, resolve_row_image, resolve_row_images
 from .objects import generate_object_prompts
 from .readers import READERS, PromptDataError, hf_download, read_file
 from .shape_edits import SOURCE as EDIT_SOURCE
@@ -192,6 +193,7 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
             train, test = _read_split_folder(path, source, stats, validate)
         else:
             located = clean_rows(resolve_row_images(read_file(path, source), image_base(source, path)), stats)
+            check_image_rows(located)
             if len(located) < 2:
                 raise PromptDataError(f"{source}: {_too_few(len(located), stats)}")
             _validate(validate, [r for _, r in located], source, [w for w, _ in located])
@@ -280,6 +282,7 @@ def _read_split_folder(folder: Path, name: str, stats: dict[str, int], validate=
             raise PromptDataError(f"{name}: {' and '.join(p.name for p in found)} are both {split} splits; keep one")
     seen: set[str] = set()
     splits = []
+    kept: list[tuple[str, dict]] = []  # both files' rows: an image on every row or on none (check_image_rows)
     for split, (path,) in files.items():
         where = f"{name.rstrip('/')}/{path.name}"
         split_stats: dict[str, int] = {}
@@ -292,6 +295,8 @@ def _read_split_folder(folder: Path, name: str, stats: dict[str, int], validate=
             why = (f": its {len(rows)} rows are blank or repeat training prompts ({dup} duplicates)" if dup
                    else f": it has {len(rows)} rows, all blank" if rows else ": the file is empty")
             raise PromptDataError(f"{where}: the {split} split is empty{why}")
+        kept += located
+        check_image_rows(kept)
         _validate(validate, [r for _, r in located], where, [w for w, _ in located])
         splits.append([r for _, r in located])
     return splits[0], splits[1]

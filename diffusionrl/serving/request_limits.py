@@ -17,8 +17,9 @@ and its range (``RequestError``, an ``MlflowException`` with ``INVALID_PARAMETER
   prompt encoded at the run's ``model.max_sequence_length`` (the pyfunc's logged model configuration, ``SEQ_LEN``; not
   the pipeline's default, 512 for FLUX.1, 256 for SD3), a true-CFG pipeline's scale from ``guidance_scale``. An
   editing model (FLUX.1 Kontext, Qwen-Image-Edit) also takes ``{"prompt", "image"}``: one input image (encoded
-  bytes, or base64 as JSON carries them) per prompt or one for all (``images_of``), each edited as training
-  sampled it (``BoundedDiffusers.edit``; Qwen-Image-Edit, which only edits, refuses prompts without an image);
+  bytes, or base64 as JSON carries them; at most ``MAX_IMAGE_PIXELS``, read from the header) per prompt or one for
+  all (``images_of``), each edited as training sampled it (``BoundedDiffusers.edit``; Qwen-Image-Edit, which only
+  edits, refuses prompts without an image);
 - videos: ``video_model.VideoLoraModel.predict``; text (block diffusion): ``bdlm.serving.BDLMDecoder``.
 """
 
@@ -35,15 +36,29 @@ LOADER_MODULE = "request_limits"  # the image model's pyfunc loader: this file, 
 MAX_PROMPTS = 64  # prompts per request
 MAX_PROMPT_CHARS = 1000  # characters per prompt (and per negative prompt)
 MAX_IMAGE_BYTES = 32 * 2**20  # per input image (editing models)
+MAX_IMAGE_PIXELS = 4096 * 4096  # per input image, read from its header before it is decoded (data.images' bound)
 GENERATION_PARAMS = ("num_inference_steps", "guidance_scale", "height", "width", "negative_prompt")  # MLflow's
 SEQ_LEN = "max_sequence_length"  # the pyfunc's model_config: the text-encoder tokens the run encoded prompts at
 
 
 class RequestError(MlflowException):
-    """A request outside the served model's limits (HTTP 400 from ``mlflow models serve``)."""
+    """A request outside the served model's limits (HTTP 400 from ``mlflow models serve``).
+
+    Its ``message`` is the one line it was made with: MLflow's scoring server rewrites the message of every
+    error ``predict`` raises as ``Failed to predict data '<the whole request>'. Error: ...``, which would send a
+    request's input images back, encoded, in the answer; here that rewrite keeps the line as it was."""
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()), error_code=INVALID_PARAMETER_VALUE)
+
+    @property
+    def message(self) -> str:
+        return self._line
+
+    @message.setter
+    def message(self, value: str) -> None:
+        if not hasattr(self, "_line"):  # set once, by MlflowException.__init__
+            self._line = value
 
 
 @dataclass(frozen=True)
@@ -184,12 +199,46 @@ def images_of(model_input, n: int) -> list[bytes] | None:
                 image = base64.b64decode(image, validate=True)
             except (binascii.Error, ValueError):
                 raise RequestError(f"request: image {i} is a string but not base64-encoded image bytes") from None
+        elif isinstance(image, (bytes, bytearray)):
+            try:  # base64 as bytes: MLflow's JSON "inputs" (and "instances") hand a binary column's text on as is
+                image = base64.b64decode(image, validate=True)
+            except (binascii.Error, ValueError):
+                pass  # encoded image bytes (every image format has bytes outside base64's alphabet)
         if not isinstance(image, (bytes, bytearray)):
             raise RequestError(f"request: image {i} is {type(image).__name__}, not encoded image bytes")
         if len(image) > MAX_IMAGE_BYTES:
             raise RequestError(f"request: image {i} has {len(image)} bytes; at most {MAX_IMAGE_BYTES}")
+        check_image_size(bytes(image), i)
         out.append(bytes(image))
     return out * n if len(out) == 1 else out
+
+
+def check_image_size(data: bytes, i: int) -> None:
+    """Input image ``i`` is a readable image of at most ``MAX_IMAGE_PIXELS``, read from its header (nothing is
+    decoded: PIL's decompression-bomb warning and error never reach the request), else ``RequestError``."""
+    import io
+    import re
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    pixels = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                size = im.size
+        except Image.DecompressionBombError as exc:
+            found = re.search(r"\((\d+) pixels\)", str(exc))
+            size, pixels = None, int(found.group(1)) if found else MAX_IMAGE_PIXELS + 1
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+            why = "not an image format PIL reads" if isinstance(exc, UnidentifiedImageError) else exc
+            raise RequestError(f"request: image {i} is not a readable image ({why})") from None
+    pixels = size[0] * size[1] if size else pixels
+    if pixels > MAX_IMAGE_PIXELS:
+        shown = f"{size[0]}x{size[1]} pixels" if size else f"{pixels} pixels"
+        raise RequestError(f"request: image {i} is {shown} ({pixels / 1e6:.0f} MP), over the bound of "
+                           f"{MAX_IMAGE_PIXELS} pixels (4096x4096) an input image may have; downscale it")
 
 
 def reference_size(height: int, width: int, area: int, multiple: int = 16) -> tuple[int, int]:
