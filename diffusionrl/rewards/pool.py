@@ -2,8 +2,9 @@
 
 ``pool(images, prompts, metadata) -> (total [B], {name: RewardResult})``. A batch is cut into one
 contiguous shard per actor; shards are scored concurrently and put back in order. Each actor builds
-the ``MixtureReward`` of ``reward_cfg.weights`` once. An actor that dies (crash, OOM, ``ray.kill``)
-is replaced and its shard scored again, at most ``max_retries`` times per shard per call.
+the ``MixtureReward`` of ``reward_cfg.weights`` once. An actor that dies (crash, OOM, a node lost) is
+restarted by Ray (``max_restarts=-1``: each call bounds the retries, not the run) and its shard scored
+again by Ray (``max_task_retries``), at most ``max_retries`` times per shard per call.
 ``score_async`` starts a batch and returns a handle, so the caller can work while it is scored.
 
 Nothing waits forever (``diffusionrl.raycluster``): the actors' CPUs are checked against the cluster
@@ -14,7 +15,6 @@ start is bounded by ``$DIFFUSIONRL_RAY_START_TIMEOUT_S`` and a batch by ``$DIFFU
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
@@ -26,8 +26,6 @@ from diffusionrl.raycluster import ensure_ray
 from .base import RewardResult, set_reward_threads
 from .mixture import MixtureReward
 from .registry import prompt_check
-
-log = logging.getLogger(__name__)
 
 
 class _RewardActor:
@@ -65,11 +63,12 @@ def pin_to_cores(slot: int, threads: int) -> set[int]:
 REWARD_NODE_RESOURCE = "reward-cpu"
 
 
-def reward_actor_options(cpus_per_actor: float) -> dict:
-    """Ray options of a reward actor on the cluster at hand."""
+def reward_actor_options(cpus_per_actor: float, max_retries: int = 2) -> dict:
+    """Ray options of a reward actor on the cluster at hand: a dead actor is restarted, its calls retried
+    ``max_retries`` times each."""
     import ray
 
-    options: dict = {"num_cpus": cpus_per_actor}
+    options: dict = {"num_cpus": cpus_per_actor, "max_restarts": -1, "max_task_retries": int(max_retries)}
     if ray.cluster_resources().get(REWARD_NODE_RESOURCE, 0) > 0:
         options["resources"] = {REWARD_NODE_RESOURCE: 0.001}
     return options
@@ -93,7 +92,8 @@ def merge_parts(shard_parts: list[dict[str, RewardResult]], sizes: list[int]) ->
 
 
 class PendingScore:
-    """A batch being scored; ``result()`` waits, restarts dead actors and returns ``(total, parts)``."""
+    """A batch being scored; ``result()`` waits (Ray retries a shard whose actor died) and returns
+    ``(total, parts)``."""
 
     def __init__(self, pool: RewardActorPool, images, prompts, metadata):
         self.pool = pool
@@ -101,14 +101,7 @@ class PendingScore:
         self.shards = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
         self.inputs = [(images[s], list(prompts[s]), list(metadata[s])) for s in self.shards]
         self.results: list = [None] * len(self.shards)
-        self.attempts = [0] * len(self.shards)
-        self.refs: dict = {}  # ObjectRef -> (shard index, actor handle it was sent to)
-        for k in range(len(self.shards)):
-            self._submit(k)
-
-    def _submit(self, k: int) -> None:
-        actor = self.pool.actors[k]
-        self.refs[actor.score.remote(*self.inputs[k])] = (k, actor)
+        self.refs = {pool.actors[k].score.remote(*self.inputs[k]): k for k in range(len(self.shards))}
 
     def done(self) -> bool:
         import ray
@@ -132,19 +125,14 @@ class PendingScore:
                     f"{timeout_s:g} s (${raycluster.TIMEOUT_ENV}); a reward actor is stuck or the cluster is "
                     "overloaded")
             (ref,) = ready
-            k, actor = self.refs.pop(ref)
+            k = self.refs.pop(ref)
             try:
                 self.results[k] = ray.get(ref)  # ready: returns at once
             except (RayActorError, ActorUnavailableError) as exc:
-                self.attempts[k] += 1
-                if self.attempts[k] > self.pool.max_retries:
-                    raise RuntimeError(
-                        f"reward actor for shard {k} (samples {self.shards[k].start}-{self.shards[k].stop - 1}) "
-                        f"died {self.attempts[k]} times; last error: {exc}"
-                    ) from exc
-                log.warning("reward actor %d died (%s); restarting it and re-scoring its shard", k, exc)
-                self.pool._restart(k, actor)
-                self._submit(k)
+                raise RuntimeError(
+                    f"reward actor for shard {k} (samples {self.shards[k].start}-{self.shards[k].stop - 1}) "
+                    f"died and its {self.pool.max_retries} retries (max_task_retries) failed too: {exc}"
+                ) from exc
         if not self.shards:  # empty batch
             return np.zeros(0, np.float32), {n: RewardResult(np.zeros(0, np.float32)) for n in self.pool.weights}
         total = np.concatenate([t for t, _ in self.results]).astype(np.float32)
@@ -165,7 +153,7 @@ class RewardActorPool:
         pin_cores: bool = False,
     ):
         """``threads_per_actor``: intra-op threads of each actor's OCR/torch (default ``max(1, cpus_per_actor)``,
-        so actors do not fight over cores); ``max_retries``: restarts of a dead actor per shard per call;
+        so actors do not fight over cores); ``max_retries``: Ray's retries of a shard whose actor died, per call;
         ``pin_cores``: pin actor k to its own ``threads_per_actor`` cores (``pin_to_cores``; for a
         node that runs nothing but the pool: on a shared one, pinning cannot move off a busy core)."""
         import ray
@@ -180,7 +168,7 @@ class RewardActorPool:
         self.max_retries = max_retries
         self.pin_cores = pin_cores
         self.started_ray = ensure_ray(num_cpus=max(1, int(np.ceil(self.num_actors * cpus_per_actor))))
-        options = reward_actor_options(cpus_per_actor)
+        options = reward_actor_options(cpus_per_actor, max_retries)
         # Before any actor exists: Ray would queue the ones that do not fit, forever and silently.
         admission = raycluster.admit(
             f"reward.num_actors={self.num_actors}", {"CPU": cpus_per_actor}, self.num_actors,
@@ -199,30 +187,13 @@ class RewardActorPool:
     def _new_actor(self, k: int):
         return self._remote.remote(self.reward_cfg, self.threads, k if self.pin_cores else None)
 
-    def _wait_ready(self, indices, admission: raycluster.Admission | None = None) -> None:
-        indices = list(indices)
-        if admission is None:  # a restarted actor: its slot was free a moment ago
-            admission = raycluster.Admission(f"{len(indices)} reward actor(s)",
-                                             raycluster.seconds(raycluster.START_TIMEOUT_ENV))
+    def _wait_ready(self, indices, admission: raycluster.Admission) -> None:
         try:
             raycluster.started([self.actors[i].ready.remote() for i in indices], admission)
         except (raycluster.RayTimeout, raycluster.RayResourcesUnavailable):
             raise
         except Exception as exc:  # a reward that cannot be built: say so here, not at the first batch
             raise RuntimeError(f"reward actors for {self.weights} failed to start: {exc}") from exc
-
-    def _restart(self, k: int, dead) -> None:
-        """Replace actor ``k`` if it is still the ``dead`` handle (another batch may have done it)."""
-        import ray
-
-        if self.actors[k] is not dead:
-            return
-        try:
-            ray.kill(dead)
-        except Exception:  # already gone
-            pass
-        self.actors[k] = self._new_actor(k)
-        self._wait_ready([k])
 
     def score_async(self, images, prompts, metadata) -> PendingScore:
         """Start scoring a batch; ``.result()`` on the returned handle gives ``(total, parts)``."""

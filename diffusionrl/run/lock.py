@@ -11,6 +11,9 @@ each other's checkpoints resumed or pruned. So a run holds its folder for as lon
   never blocks its successor (the file it left is taken over with a warning naming it). A lock
   still held although the pid it names is dead on this host (a forked child inherited the
   descriptor and outlived the run) is replaced too. The holder removes the file when it is done.
+  This is not ``filelock.FileLock``, which takes the same ``flock`` but keeps nothing in the file: here
+  the file records its owner for the refusal to name, a lock held only by a dead run's forked child is
+  replaced, and ``check`` notices the file removed or replaced while the run holds it.
 - An object-store folder (an fsspec URI, ``run.folder.is_remote``): a lease ``<uri>/run.lease``
   (owner, since, expiry, a random token), renewed by a background thread every third of its
   lifetime (``LEASE_TTL_S``) and deleted at the end. An expired lease is taken over: a preempted
