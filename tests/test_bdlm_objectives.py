@@ -288,3 +288,20 @@ def test_concat_rows_of_diffusiongemma_traces_replays_exactly(gemma):
     replayed = OldPolicy(model).scores(got, 4)
     committed = got.action_steps >= 0
     torch.testing.assert_close(replayed[committed], got.log_probs[committed], rtol=0, atol=1e-6)
+
+
+def test_opd_without_a_teacher_is_refused_by_the_config_check():
+    """It passed the config and failed after the warm start, in a traceback from the backend."""
+    from diffusionrl.bdlm import load_bdlm_config
+    from diffusionrl.bdlm.config import BDLMConfig
+    from diffusionrl.config import ConfigError
+
+    line = (r"grpo.objective=opd distils from a teacher, but grpo.teacher is empty; set grpo.teacher=FOLDER \(a model "
+            r"folder of the same kind, e.g. a longer warm start's\), or choose another grpo.objective")
+    for build in (lambda: load_bdlm_config("tiny-diffusiongemma-opd"),
+                  lambda: load_bdlm_config("tiny-bdlm", ["grpo.objective=opd"], data={"grpo": {"teacher": " "}}),
+                  lambda: BDLMConfig.from_dict({"grpo": {"objective": "opd"}})):  # a workflow input's road
+        with pytest.raises(ConfigError, match=line) as err:
+            build()
+        assert "\n" not in str(err.value)
+    assert load_bdlm_config("tiny-diffusiongemma-opd", ["grpo.teacher=runs/teacher"]).grpo.teacher == "runs/teacher"

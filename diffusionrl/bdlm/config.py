@@ -171,6 +171,10 @@ class GRPOConfig:
                 "grpo.sequence_packing=true is not supported: trace replay re-masks whole rows by commit "
                 "step, so a row must hold exactly one sequence; set grpo.sequence_packing=false"
             )
+        if self.objective == "opd" and not self.teacher.strip():
+            raise ConfigError("grpo.objective=opd distils from a teacher, but grpo.teacher is empty; set "
+                              "grpo.teacher=FOLDER (a model folder of the same kind, e.g. a longer warm start's), "
+                              "or choose another grpo.objective")
         if self.group_size < 2 and self.objective != "opd":
             raise ConfigError(
                 f"grpo.group_size={self.group_size}: GRPO needs >= 2 samples per prompt for a group baseline"
