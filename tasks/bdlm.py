@@ -27,6 +27,7 @@ from images import CPU_IMAGE
 
 from .common import (
     DatasetDigests,
+    check_workflow_inputs,
     close_failed_runs,
     config_change_allowed,
     execution_tags,
@@ -50,15 +51,19 @@ DIGITS_CACHE = Cache(version="digits-v1")
 
 @task(container_image=CPU_IMAGE)
 @user_errors
-def resolve_bdlm_config(config: BDLMConfig, overrides: list[str], checkpoint_dir: str = "") -> BDLMConfig:
+def resolve_bdlm_config(config: BDLMConfig, overrides: list[str], checkpoint_dir: str = "",
+                        on_config_change: str = "fail") -> BDLMConfig:
     """The validated config; an object-store ``checkpoint_dir`` this task has no credentials for fails
-    here, in one line naming it (``run.folder.check_store_access``), not inside training."""
+    here, in one line naming it (``run.folder.check_store_access``), not inside training, and so do a bad
+    ``on_config_change`` and a ``checkpoint_dir`` whose GRPO run folder another run owns now
+    (``common.check_workflow_inputs``)."""
     from diffusionrl.run import check_run_folder, check_store_access
 
     cfg = BDLMConfig.from_dict(apply_overrides(config.to_dict(), overrides))
     if checkpoint_dir:
         check_run_folder(checkpoint_dir)
         check_store_access(checkpoint_dir, "checkpoint_dir")
+    check_workflow_inputs(on_config_change, checkpoint_dir, ("grpo",))
     return cfg
 
 

@@ -231,6 +231,21 @@ def config_change_allowed(on_config_change: str) -> bool:
     return on_config_change == "record"
 
 
+def check_workflow_inputs(on_config_change: str, checkpoint_dir: str, stages: tuple[str, ...] = ("",)) -> None:
+    """What a workflow's first task checks of the workflow's own inputs, before any prompts are prepared or
+    weights fetched: ``on_config_change`` is a choice (``config_change_allowed``), and no other run owns the
+    run folders under ``checkpoint_dir`` that this execution's ``stages`` will hold (``stage_dir``;
+    ``run.lock.check_free``: one read of an object store's lease, or a probe of a local lock; a previous
+    attempt of this execution is not another run). Without ``checkpoint_dir`` each stage gets a fresh folder
+    under the attempt's output prefix: nothing to check. The stages still hold their folders as they run."""
+    config_change_allowed(on_config_change)
+    if checkpoint_dir:
+        from diffusionrl.run import check_free
+
+        for name in stages:
+            check_free(stage_dir(checkpoint_dir, name), tags={"execution": tracking_execution_id()})
+
+
 def run_callbacks(folder, keep: int, *writers: Callback) -> list[Callback]:
     """The train stage's callbacks in their order: what writes into the run folder, the sync to
     the store, the Flyte checkpoint pointer."""

@@ -27,6 +27,7 @@ from images import CPU_IMAGE, GPU_IMAGE
 
 from .common import (
     DatasetDigests,
+    check_workflow_inputs,
     close_failed_runs,
     config_change_allowed,
     execution_tags,
@@ -73,14 +74,15 @@ METRICS_FLUSH_S = 10.0
 @task(container_image=CPU_IMAGE)
 @user_errors
 def resolve_config(config: Config, overrides: list[str], sft_steps: int, sft_overrides: list[str],
-                   checkpoint_dir: str = "") -> Config:
+                   checkpoint_dir: str = "", on_config_change: str = "fail") -> Config:
     """Apply dotted ``key=value`` overrides and re-validate the whole tree, and the warm start's config
     when there is one (``sft_steps`` > 0), so a mistake in it fails here, before any data or weights are
     fetched. (A partial tree was laid over its preset and unknown keys rejected before this body runs,
     when flytekit decoded the input: ``ConfigTree.__pre_deserialize__``.) The inputs that need no model
     are checked here too (``training.preflight.check_early``): an object-store ``checkpoint_dir`` this
     task has no credentials for, a missing or malformed ``algorithm.sft_source``, an ``init_lora``
-    that is not a LoRA."""
+    that is not a LoRA; and the workflow's inputs (``common.check_workflow_inputs``): ``on_config_change``, and
+    a ``checkpoint_dir`` whose train (and warm-start) run folder another run owns now."""
     from diffusionrl.training.preflight import check_early
 
     cfg = Config.from_dict(apply_overrides(config.to_dict(), overrides))
@@ -91,6 +93,7 @@ def resolve_config(config: Config, overrides: list[str], sft_steps: int, sft_ove
 
         check_early(sft_config(cfg, sft_steps, sft_overrides))
     check_early(cfg, checkpoint_dir)
+    check_workflow_inputs(on_config_change, checkpoint_dir, ("", "sft") if sft_steps > 0 else ("",))
     return cfg
 
 

@@ -108,3 +108,15 @@ def test_diffusiongemma_preset_through_the_workflow_registers_and_serves(bdlm_wf
     got = mlflow.pyfunc.load_model(f"models:/test-bdlm-gemma/{out.registered.version}").predict(
         pd.DataFrame({"prompt": [e.prompt for e in examples]}))
     assert list(got) == expected
+
+
+def test_a_bad_on_config_change_or_an_owned_run_folder_fails_the_first_task(bdlm_wf, tmp_path):
+    """Both were refused only by train_bdlm, after the data and the warm start."""
+    from diffusionrl.run import hold_run_folder
+
+    first = r"Error encountered while executing 'tasks.bdlm.resolve_bdlm_config':\s+"
+    with pytest.raises(Exception, match=first + r"on_config_change='bogus' is not one of \['fail', 'record'\]"):
+        bdlm_wf(overrides=SMALL, on_config_change="bogus")
+    with hold_run_folder(tmp_path / "grpo"):  # the GRPO stage's run folder
+        with pytest.raises(Exception, match=first + rf"run folder {tmp_path / 'grpo'} is in use by another run"):
+            bdlm_wf(overrides=SMALL, checkpoint_dir=str(tmp_path))

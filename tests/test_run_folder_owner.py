@@ -259,3 +259,36 @@ def test_a_local_checkpoint_dir_is_locked_by_the_train_stage(tmp_path, holder):
     with pytest.raises(RunFolderBusy, match=f"pid {owner.pid}@"):
         with open_run_folder(str(tmp_path)):
             pass
+
+
+def test_check_free_reads_the_owner_without_taking_or_writing_the_folder(tmp_path, holder):
+    """``lock.check_free``, what a workflow's first task asks: the refusal ``hold_run_folder`` would give, from
+    one read of a lease or a probe of a local lock; nothing is created, taken or changed."""
+    from diffusionrl.run import check_free
+
+    check_free(tmp_path / "missing")  # no folder, no lock file: free, and nothing is created
+    assert not (tmp_path / "missing").exists()
+    owner = holder(tmp_path / "held")
+    record = (tmp_path / "held" / LOCK_FILE).read_text()
+    with pytest.raises(RunFolderBusy, match=rf"run folder {tmp_path / 'held'} is in use by another run: "
+                                            rf"pid {owner.pid}@") as err:
+        check_free(tmp_path / "held")
+    assert "\n" not in str(err.value) and (tmp_path / "held" / LOCK_FILE).read_text() == record
+    owner.stdin.close()
+    owner.wait(timeout=30)
+    check_free(tmp_path / "held")  # released
+    holder(tmp_path / "orphan", ORPHAN, ended_pid(), lock.this_host())
+    check_free(tmp_path / "orphan")  # held only by a dead run's forked child: hold_run_folder replaces it
+    with hold_run_folder(tmp_path / "mine"):  # another descriptor in this very process is another run
+        with pytest.raises(RunFolderBusy, match=f"pid {os.getpid()}@"):
+            check_free(tmp_path / "mine")
+
+    uri = store_uri()
+    check_free(uri)
+    first = lease(uri, tags={"execution": "e1"}).acquire()
+    with pytest.raises(RunFolderBusy, match=rf"run folder {uri} is in use by another run: pid {os.getpid()}@"):
+        check_free(uri, tags={"execution": "e2"})
+    check_free(uri, tags={"execution": "e1"})  # a previous attempt of this execution: its stage waits for it
+    assert json.loads(first.fs.cat_file(first.path))["token"] == first.token
+    first.release()
+    check_free(uri, tags={"execution": "e2"})

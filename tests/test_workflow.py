@@ -306,3 +306,29 @@ def test_scheduled_launch_plan_is_importable_with_its_schedule_and_inputs(grpo):
     assert grpo_nightly.schedule.kickoff_time_input_arg == "run_date"
     assert "overrides" in grpo_nightly.parameters.parameters
     assert grpo_nightly.name == "grpo_nightly"
+
+
+def test_a_bad_on_config_change_or_an_owned_run_folder_fails_the_first_task(grpo, tmp_path, monkeypatch):
+    """on_config_change=bogus was refused only by train, and a second execution on a checkpoint_dir another run
+    holds only in train, after the prompts were prepared and the weights fetched: both stop resolve_config."""
+    from diffusionrl.run import hold_run_folder
+    from diffusionrl.run.lock import Lease
+
+    first = r"Error encountered while executing 'tasks.grpo.resolve_config':\s+"
+    with pytest.raises(Exception, match=first + r"on_config_change='bogus' is not one of \['fail', 'record'\]"):
+        grpo(config=TINY_CPU, overrides=SMALL, on_config_change="bogus")
+    ckpt = tmp_path / "run"
+    for held, sft_steps in ((ckpt, 0), (ckpt / "sft", 1)):  # the train stage's folder, the warm start's
+        with hold_run_folder(held):
+            with pytest.raises(Exception, match=first + rf"run folder {held} is in use by another run: "
+                                                        rf"pid {os.getpid()}@"):
+                grpo(config=TINY_CPU, overrides=SMALL, checkpoint_dir=str(ckpt), sft_steps=sft_steps,
+                     sft_overrides=["algorithm.sft_source=builtin:shapes:4"])
+    monkeypatch.setenv("DIFFUSIONRL_ALLOW_MEMORY_STORE", "1")  # memory:// stands in for s3:// (one process)
+    uri = f"memory://runs/{tmp_path.name}"
+    owner = Lease(uri, ttl_s=30, settle_s=0.01, tags={"execution": "another"}).acquire()
+    try:
+        with pytest.raises(Exception, match=first + rf"run folder {uri} is in use by another run"):
+            grpo(config=TINY_CPU, overrides=SMALL, checkpoint_dir=uri)
+    finally:
+        owner.release()

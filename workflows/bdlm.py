@@ -56,7 +56,8 @@ class BDLMOutputs(NamedTuple):
 @workflow(on_failure=on_bdlm_failure)  # marks the execution's open MLflow runs FAILED
 def bdlm(config: BDLMConfig = DEFAULT_BDLM_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "",  # noqa: B006
          on_config_change: str = "fail") -> BDLMOutputs:
-    cfg = resolve_bdlm_config(config=config, overrides=overrides, checkpoint_dir=checkpoint_dir)  # and its store
+    cfg = resolve_bdlm_config(config=config, overrides=overrides, checkpoint_dir=checkpoint_dir,
+                              on_config_change=on_config_change)  # and the run folder's store and owner
     run = start_bdlm_run(config=cfg)  # MLflow preflight first
     data = prepare_digits(task_cfg=cfg.task)
     run >> data.digest

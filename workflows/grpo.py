@@ -79,7 +79,8 @@ class GRPOOutputs(NamedTuple):
 def grpo(config: Config = DEFAULT_CONFIG, overrides: list[str] = [], checkpoint_dir: str = "",  # noqa: B006
          on_config_change: str = "fail", sft_steps: int = 0, sft_overrides: list[str] = []) -> GRPOOutputs:  # noqa: B006
     given = resolve_config(config=config, overrides=overrides, sft_steps=sft_steps, sft_overrides=sft_overrides,
-                           checkpoint_dir=checkpoint_dir)  # also the run folder's store, sft_source, init_lora
+                           checkpoint_dir=checkpoint_dir,  # also the run folder's store and owner, sft_source,
+                           on_config_change=on_config_change)  # init_lora, on_config_change
     planned = plan_resources(config=given)  # does it fit its GPUs? fails naming the knob, before any pod
     run = start_run(config=given)  # MLflow preflight: fails before any data or weights are fetched
     planned >> run

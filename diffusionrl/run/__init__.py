@@ -7,7 +7,7 @@
 - ``manifest``: each checkpoint's file sizes and SHA-256 (``CheckpointDamaged``);
 - ``folder``: ``RunFolder``, a run's folder as a local path or an object-store URI, and the
   ``SyncRunFolder`` callback;
-- ``lock``: one run per run folder (``hold_run_folder``; ``RunFolderBusy``).
+- ``lock``: one run per run folder (``hold_run_folder``; ``RunFolderBusy``; ``check_free``, a read-only check).
 
 The names other modules import are re-exported here. Those of ``loop`` and ``checkpoint`` load on
 first use: those modules import torch, which a caller that only needs a ``Callback`` or the run
@@ -27,7 +27,7 @@ from .folder import (
     local_path,
     write_text,
 )
-from .lock import RunFolderBusy, RunFolderLost, RunOwner, hold_run_folder
+from .lock import RunFolderBusy, RunFolderLost, RunOwner, check_free, hold_run_folder
 from .manifest import CheckpointDamaged, verify_checkpoint, write_manifest
 
 _LOOP = ("RUN_CONTROL_KEYS", "RunLoop", "RunResult", "Schedule")
@@ -35,8 +35,8 @@ _CHECKPOINT = ("CheckpointMismatch", "CheckpointState", "ConfigChanged", "latest
 
 __all__ = [
     "Callback", "CheckpointDamaged", "RunFolder", "RunFolderBusy", "RunFolderError", "RunFolderLost", "RunOwner",
-    "SyncRunFolder", "check_local_out", "check_run_folder", "check_store_access", "hold_run_folder", "is_remote",
-    "local_copy", "local_path", "verify_checkpoint", "write_manifest", "write_text", *_LOOP, *_CHECKPOINT,
+    "SyncRunFolder", "check_free", "check_local_out", "check_run_folder", "check_store_access", "hold_run_folder",
+    "is_remote", "local_copy", "local_path", "verify_checkpoint", "write_manifest", "write_text", *_LOOP, *_CHECKPOINT,
 ]
 
 

@@ -138,6 +138,17 @@ def _read_fd(fd: int) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def _busy_lock(folder: Path, path: Path, holder: dict | None) -> RunFolderBusy:
+    return RunFolderBusy(f"run folder {folder} is in use by another run: {owner_text(holder)} (it holds {path}); "
+                         "wait for it to end, or use another output folder (--out, checkpoint_dir)")
+
+
+def _busy_lease(uri: str, lease_uri: str, ttl_s: float, holder: dict | None) -> RunFolderBusy:
+    return RunFolderBusy(f"run folder {uri} is in use by another run: {owner_text(holder)} (its lease {lease_uri} is "
+                         f"renewed while it runs and expires {ttl_s:.0f} s after it stops); wait for it to end, or "
+                         "use another checkpoint_dir")
+
+
 class FolderLock(RunOwner):
     """An exclusive ``flock`` on ``<folder>/run.lock``, the file naming its holder."""
 
@@ -170,10 +181,7 @@ class FolderLock(RunOwner):
                     os.close(fd)
                     continue
                 os.close(fd)
-                raise RunFolderBusy(
-                    f"run folder {self.folder} is in use by another run: {owner_text(holder)} (it holds "
-                    f"{self.path}); wait for it to end, or use another output folder (--out, checkpoint_dir)"
-                ) from None
+                raise _busy_lock(self.folder, self.path, holder) from None
             if not _same_file(self.path, fd):  # released (and removed) while we waited: open the new one
                 os.close(fd)
                 continue
@@ -291,10 +299,7 @@ class Lease(RunOwner):
                              self.lease_uri, owner_text(holder))
                     time.sleep(max(0.05, min(self.ttl_s / 10, deadline - time.monotonic())))
                     continue
-            raise RunFolderBusy(
-                f"run folder {self.uri} is in use by another run: {owner_text(holder)} (its lease "
-                f"{self.lease_uri} is renewed while it runs and expires {self.ttl_s:.0f} s after it stops); "
-                "wait for it to end, or use another checkpoint_dir")
+            raise _busy_lease(self.uri, self.lease_uri, self.ttl_s, holder)
 
     def _settle(self) -> None:
         """Between writing our record and reading it back: long enough for a writer that read the
@@ -340,6 +345,49 @@ class Lease(RunOwner):
         except Exception as exc:  # it expires by itself
             log.warning("%s: could not release the lease (%s: %s); it expires in %.0f s", self.lease_uri,
                         type(exc).__name__, exc, self.ttl_s)
+
+
+# -- checking a run folder without holding it -----------------------------------------------------------
+
+
+def check_free(uri: str | Path, tags: dict[str, str] | None = None) -> None:
+    """Refuse, with ``hold_run_folder``'s ``RunFolderBusy`` line, a run folder another run owns now, without
+    taking it and without writing anything: a workflow's first task calls it so that a second execution on the
+    same ``checkpoint_dir`` stops before it prepares prompts or fetches weights (the stage that writes the folder
+    still holds it, and still refuses a run that started in between).
+
+    An object-store folder: one read of its lease, which is free when missing, expired, left by a process of
+    this host that ended, or held by a previous attempt of this execution (``tags`` match the holder's; that
+    stage waits for it). Tasks on a cluster share only the store, and the lease is there. A local folder: a
+    non-blocking ``flock`` of its ``run.lock``, released at once (a lock held only by a dead run's forked
+    child counts as free, as ``hold_run_folder`` replaces it); no lock file, no check. (The probe holds the lock
+    for microseconds: a run taking it in exactly that instant is refused, naming the file's last owner.)"""
+    from .folder import is_remote, local_path
+
+    if is_remote(uri):
+        lease = Lease(str(uri), tags=tags)
+        holder = lease.read()
+        if lease._free(holder) or (tags and all((holder or {}).get("tags", {}).get(k) == v for k, v in tags.items())):
+            return
+        raise _busy_lease(lease.uri, lease.lease_uri, lease.ttl_s, holder)
+    folder = local_path(uri)
+    path = folder / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file (a missing folder, a first run) or none this process may read
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        holder = _read_fd(fd)
+        if not _dead_here(holder):
+            raise _busy_lock(folder, path, holder) from None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 # -- holding a run folder -----------------------------------------------------------------------------
