@@ -76,8 +76,8 @@ def test_fresh_scenes_each_step_resume_to_the_uninterrupted_weights(tmp_path):
 
 
 def test_vae_from_an_exported_model_skips_the_vae_stage(tmp_path):
-    """--vae-from takes the VAE of an exported model as it is and trains only the transformer; a file
-    without one is refused in one line."""
+    """--vae-from takes the VAE of an exported model as it is and trains only the transformer; --init-from
+    starts from the whole model; a file without a VAE is refused in one line."""
     from safetensors.torch import load_file
 
     first = tmp_path / "first.safetensors"
@@ -90,6 +90,14 @@ def test_vae_from_an_exported_model_skips_the_vae_stage(tmp_path):
     a, b = load_file(str(first)), load_file(str(second))
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("vae."))
     assert not torch.equal(a["transformer.proj_out.weight"], b["transformer.proj_out.weight"])
+    # --init-from: the whole model is the starting point, its latent scaling kept
+    third = tmp_path / "third.safetensors"
+    main(["--work", str(tmp_path / "d"), "--out", str(third), "--vae-steps", "10", "--transformer-steps", "10",
+          "--init-from", str(first), "--lr", "0", *FEW])
+    c = load_file(str(third))
+    assert all(torch.equal(a[k], c[k]) for k in a)  # a learning rate of 0 leaves every weight where it started
+    assert build_shapes_components(third)["vae"].config.scaling_factor == \
+        build_shapes_components(first)["vae"].config.scaling_factor
     with pytest.raises(SystemExit, match="no vae"):
         from safetensors.torch import save_file
 

@@ -154,6 +154,8 @@ class Pretrainer(Checkpointed):
         self._load()
         if args.vae_from and not self.state["vae_step"]:
             self._vae_from(Path(args.vae_from))
+        if args.init_from and not self.state["vae_step"] and not self.state["tr_step"]:
+            self._init_from(Path(args.init_from))
 
     # -- state ---------------------------------------------------------------------------------------
     def _load(self) -> None:
@@ -192,11 +194,35 @@ class Pretrainer(Checkpointed):
         self.state["vae_step"] = self.args.vae_steps
         log.warning("VAE taken from %s; the VAE stage is skipped", path)
 
+    def _init_from(self, path: Path) -> None:
+        """Start from an exported shapes model: its VAE as it is (the VAE stage skipped), its transformer
+        and text encoders (and their EMA) as the transformer stage's starting point: continued
+        pretraining on another world or caption policy."""
+        from safetensors.torch import load_file
+
+        if not path.is_file():
+            raise SystemExit(f"--init-from {path}: no such file; give a shapes model's .safetensors")
+        tensors = load_file(str(path))
+        for name in TRAINED:
+            part = {k.removeprefix(f"{name}."): v for k, v in tensors.items() if k.startswith(f"{name}.")}
+            if not part:
+                raise SystemExit(f"--init-from {path}: no {name}.* tensors; give a shapes model this module exported")
+            getattr(self.pipe, name).load_state_dict(part)
+        self.ema = [p.detach().clone() for p in self.denoiser.parameters()]
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:  # the latent scaling the transformer was trained with
+            meta = json.loads((f.metadata() or {}).get("diffusionrl", "{}"))
+        if "shift_factor" in meta:
+            self.state["stats"] = {k: float(meta[k]) for k in ("shift_factor", "scaling_factor")}
+        self.state["vae_step"] = self.args.vae_steps
+        log.warning("started from %s; the VAE stage is skipped", path)
+
     def _fixed_args(self) -> dict:
         a = vars(self.args)
         return {k: a[k] for k in ("seed", "batch", "resolution", "vae_lr", "lr", "test_fraction", "split_seed",
                                   "bank", "kl_weight", "cfg_dropout", "ema", "fresh", "world", "own_caption",
-                                  "distractors", "vae_from")}
+                                  "distractors", "vae_from", "init_from")}
 
     def save(self) -> None:
         self.state["wall_s"] += time.perf_counter() - self.t0
@@ -294,12 +320,14 @@ class Pretrainer(Checkpointed):
             xt = (1 - sigma) * x0 + sigma * noise
             for g in self.tr_opt.param_groups:
                 g["lr"] = _lr(step, a.lr, 100, a.transformer_steps)
-            # every prompt of the bank is encoded each step (the encoders are tiny), with gradients
+            # the step's distinct captions are encoded, with gradients (a caption's embedding does not
+            # depend on the others encoded beside it: the same gradient as encoding every caption)
+            used, row = torch.unique(cond, return_inverse=True)
             embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=unique, prompt_2=None, prompt_3=None, device="cpu", num_images_per_prompt=1,
-                do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH)
-            v = self.transformer(hidden_states=xt, timestep=sigma.view(-1) * 1000, encoder_hidden_states=embeds[cond],
-                                 pooled_projections=pooled[cond], return_dict=False)[0]
+                prompt=[unique[i] for i in used.tolist()], prompt_2=None, prompt_3=None, device="cpu",
+                num_images_per_prompt=1, do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH)
+            v = self.transformer(hidden_states=xt, timestep=sigma.view(-1) * 1000, encoder_hidden_states=embeds[row],
+                                 pooled_projections=pooled[row], return_dict=False)[0]
             loss = torch.nn.functional.mse_loss(v, noise - x0)
             self.tr_opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -360,6 +388,9 @@ def parse_args(argv=None):
     ap.add_argument("--vae-steps", type=int, default=1500)
     ap.add_argument("--vae-from", default="",
                     help="take the VAE of this exported shapes model (.safetensors) instead of training one")
+    ap.add_argument("--init-from", default="",
+                    help="start from this exported shapes model (.safetensors): its VAE as is, its transformer and "
+                         "text encoders trained on for --transformer-steps")
     ap.add_argument("--transformer-steps", type=int, default=9000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--resolution", type=int, default=64)
