@@ -1,15 +1,23 @@
-"""The run report: one self-contained HTML page (config, curves, eval table, grids, artifacts).
+"""The run report: one self-contained HTML page that a person reads in one screen, rendered from the
+Jinja2 template ``templates/report.html.j2`` (autoescaped: prompts and config values are text, never HTML).
 
-On the shapes world (an evaluation table with categories and geneval_mini successes) it shows
-GenEval's per-category accuracy table, base vs tuned, and each held-out prompt's base and tuned
-images (every evaluation seed) side by side with their verdicts. Every run with held-out probes gets
-the reward-hacking plot (training reward, held-out reward and diversity, alarms marked)."""
+From the top: one line each for the base, the base with CFG (``eval/base_cfg_*``, when
+``eval.base_guidance_scale`` > 0) and the tuned model on the held-out prompts, strict success first
+(``..._success``, GenEval's overall ``.../category_mean`` when the prompts have categories), then the
+reward, pass@seeds and diversity; the per-category strict accuracy (base, base with CFG, tuned); one
+training plot (the rollout reward per step, the held-out probes' strict success, else their reward,
+per step, reward-hacking alarms marked); each held-out prompt a row of up to ``SEEDS_SHOWN`` seeds,
+base | tuned (an edit's input first), thumbnails with their strict verdict; where the run's files are.
+Everything else (every summary key, the per-sample table, loss and KL curves, the probes' diversity
+plot, training samples, the last step's metrics, the configuration) is folded in ``<details>``. A run
+without categories or success keys (another reward, a block-diffusion LM) shows what it has."""
 
 from __future__ import annotations
 
 import base64
-import html
 import json
+import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,19 +25,23 @@ import pandas as pd
 
 from diffusionrl.video import gif_bytes, png_bytes
 
+TEMPLATE = "report.html.j2"
+SEEDS_SHOWN = 4  # seeds per prompt and side in the sample grid
+THUMB_PX = 128  # a thumbnail's width at most (a 64 px image is shown at 2x)
 
-def _png_b64(image: np.ndarray) -> str:
-    return base64.b64encode(png_bytes(image)).decode()
 
-
-def _img(image: np.ndarray, alt: str, width: int | None = None) -> str:
-    """An ``<img>`` of an image ``[H, W, 3]`` (PNG) or of frames ``[F, H, W, 3]`` (animated GIF)."""
-    style = f' style="width:{width}px;image-rendering:pixelated"' if width else ' style="image-rendering:pixelated"'
+def data_uri(image: np.ndarray) -> str:
+    """An image ``[H, W, 3]`` as a PNG ``data:`` URI, frames ``[F, H, W, 3]`` as an animated GIF one."""
     if image.ndim == 4:
-        src = "data:image/gif;base64," + base64.b64encode(gif_bytes(image)).decode()
-    else:
-        src = f"data:image/png;base64,{_png_b64(image)}"
-    return f'<img alt="{html.escape(alt)}" src="{src}"{style}>'
+        return "data:image/gif;base64," + base64.b64encode(gif_bytes(image)).decode()
+    return "data:image/png;base64," + base64.b64encode(png_bytes(np.ascontiguousarray(image))).decode()
+
+
+def fmt(value, spec: str = ".2f") -> str:
+    """A figure for the page: ``-`` where there is none (missing, None or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec) if isinstance(value, (int, float, np.floating, np.integer)) else str(value)
 
 
 def curves_png(metrics: pd.DataFrame) -> np.ndarray | None:
@@ -78,7 +90,8 @@ def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed:
     ``overall`` by GenEval's rule (the mean of the category accuracies, each category counting once
     however many prompts it holds) and ``all samples`` (the mean over samples), from an evaluation table
     with a ``category`` column and ``base_<reward>_success`` / ``tuned_<reward>_success`` columns
-    (geneval_mini's); None for other tables.
+    (geneval_mini's); None for other tables. With ``base_cfg_<reward>_success`` (``eval.base_guidance_scale``),
+    a ``base_cfg`` column between them.
 
     ``gain_lo`` / ``gain_hi``: the 5th and 95th percentiles of each row's gain over ``resamples`` paired
     bootstrap draws of the samples, within each category (a category of one prompt and a few seeds moves
@@ -89,11 +102,13 @@ def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed:
     if base is None:
         return None
     tuned = "tuned_" + base[len("base_"):]
+    sides = {"base": base, **({"base_cfg": f"base_cfg_{base[len('base_'):]}"}
+                              if f"base_cfg_{base[len('base_'):]}" in eval_table else {}), "tuned": tuned}
     table = eval_table.groupby("category").agg(prompts=("prompt", "nunique"), samples=("prompt", "size"),
-                                                base=(base, "mean"), tuned=(tuned, "mean"))
+                                                **{side: (column, "mean") for side, column in sides.items()})
     n_prompts = eval_table["prompt"].nunique()
-    table.loc["overall"] = [n_prompts, len(eval_table), table["base"].mean(), table["tuned"].mean()]
-    table.loc["all samples"] = [n_prompts, len(eval_table), eval_table[base].mean(), eval_table[tuned].mean()]
+    table.loc["overall"] = [n_prompts, len(eval_table), *(table[side].mean() for side in sides)]
+    table.loc["all samples"] = [n_prompts, len(eval_table), *(eval_table[column].mean() for column in sides.values())]
     table["gain"] = table["tuned"] - table["base"]
     cats = [c for c in table.index if c not in ("overall", "all samples")]
     diff = {c: (eval_table.loc[eval_table["category"] == c, tuned].to_numpy(float)
@@ -105,47 +120,6 @@ def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed:
     table["gain_lo"] = [float(np.percentile(gains[c], 5)) for c in table.index]
     table["gain_hi"] = [float(np.percentile(gains[c], 95)) for c in table.index]
     return table.reset_index()
-
-
-def _side_by_side(eval_table: pd.DataFrame, grid: np.ndarray) -> list[str]:
-    """One row per held-out prompt: its category, its base and its tuned images (cut from the eval grid:
-    base row above tuned row, one column per sample, a prompt's samples side by side) and whether
-    each succeeded; for an editing dataset (an ``input_image_sha256`` column) the input image first (the
-    grid's top band), one row per prompt and input."""
-    n = len(eval_table)
-    editing = "input_image_sha256" in eval_table.columns
-    sides = ("input", "base", "tuned") if editing else ("base", "tuned")
-    h, w = grid.shape[0] // len(sides), grid.shape[1] // n
-    success = next((c[len("base_"):] for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")),
-                   None)
-    rows = ["<table><tr><th>prompt</th><th>category</th>" + "".join(f"<th>{s}</th>" for s in sides) + "</tr>"]
-    samples = list(eval_table.itertuples(index=False))
-
-    def key(i: int) -> tuple:
-        return (samples[i].prompt, samples[i].input_image_sha256 if editing else "")
-
-    start = 0
-    while start < n:
-        end = start
-        while end < n and key(end) == key(start):
-            end += 1
-        cells = []
-        for k, side in enumerate(sides):
-            band = grid[k * h:(k + 1) * h]
-            images = []
-            for i in range(start, end if side != "input" else start + 1):  # one input per row
-                mark = ""
-                if success is not None and side != "input":
-                    ok = getattr(samples[i], f"{side}_{success}") >= 0.5
-                    mark = f"<br><span class='{'ok' if ok else 'bad'}'>{'&#10003;' if ok else '&#10007;'}</span>"
-                image = _img(band[:, i * w:(i + 1) * w], side, width=3 * w)
-                images.append(f"<span class='sample'>{image}{mark}</span>")
-            cells.append(f"<td>{''.join(images)}</td>")
-        row = samples[start]
-        rows.append(f"<tr><td>{html.escape(str(row.prompt))}</td><td>{html.escape(str(getattr(row, 'category', '')))}"
-                    f"</td>{''.join(cells)}</tr>")
-        start = end
-    return rows + ["</table>"]
 
 
 def alarm_png(metrics: pd.DataFrame) -> tuple[np.ndarray | None, list]:
@@ -189,10 +163,155 @@ def alarm_png(metrics: pd.DataFrame) -> tuple[np.ndarray | None, list]:
     return image, alarms
 
 
+def _figure_rgb(fig) -> np.ndarray:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.canvas.draw()
+    image = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    plt.close(fig)
+    return image
+
+
+def success_rewards(columns) -> list[str]:
+    """The rewards with a strict success (``base_<reward>_success`` in an evaluation table's columns, or
+    ``eval/base_<reward>_success`` among a summary's keys, not its ``.../<figure>`` keys)."""
+    names = [c.removeprefix("eval/") for c in columns]
+    return sorted(n[len("base_"):-len("_success")] for n in names if n.startswith("base_")
+                  and n.endswith("_success") and "/" not in n and not n.startswith("base_cfg_"))
+
+
+def training_curve_png(metrics: pd.DataFrame | None, alarms=()) -> np.ndarray | None:
+    """One plot against the step: the rollout reward (partial credit on the shapes world; its spread
+    shaded) or, without rollouts (SFT), the loss; the held-out probes' strict success, else their reward;
+    each reward-hacking alarm a red line. None without either curve."""
+    from diffusionrl.heldout import HELDOUT_KEY, TRAIN_KEY
+
+    if metrics is None or metrics.empty or "step" not in metrics:
+        return None
+    train = next((k for k in (TRAIN_KEY, "train/loss") if k in metrics and metrics[k].notna().any()), None)
+    strict = sorted(c for c in metrics.columns if c.startswith("heldout/") and c.endswith("_success"))
+    held = next((k for k in [*strict, HELDOUT_KEY] if k in metrics and metrics[k].notna().any()), None)
+    if train is None and held is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 2.9), dpi=100)
+    if train is not None:
+        rows = metrics.dropna(subset=[train])
+        label = ("train: loss" if train != TRAIN_KEY else
+                 "train: rollout reward (partial credit)" if strict else "train: rollout reward")
+        ax.plot(rows["step"], rows[train], ".-", color="C0", alpha=0.8, label=label)
+        if train == TRAIN_KEY and "rollout/reward/raw_std" in rows:
+            ax.fill_between(rows["step"], rows[train] - rows["rollout/reward/raw_std"],
+                            rows[train] + rows["rollout/reward/raw_std"], color="C0", alpha=0.15)
+    if held is not None:
+        probes = metrics.dropna(subset=[held])
+        label = "held-out: strict success" if held in strict else "held-out: reward (ODE)"
+        ax.plot(probes["step"], probes[held], "o-", color="C2", label=label)
+    for alarm in alarms:
+        ax.axvline(alarm.step, color="red", alpha=0.6)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    return _figure_rgb(fig)
+
+
+def headline(summary: dict[str, float] | None, config: dict[str, Any]) -> dict | None:
+    """The top lines: base, base with CFG (when evaluated) and tuned, each a row of figures."""
+    if not summary:
+        return None
+    ev = config.get("eval", {}) if isinstance(config, dict) else {}
+    scale = ev.get("guidance_scale")
+    how = "" if scale is None else ", CFG-free" if scale <= 1 else f", CFG {scale:g}"
+    sides = [("base" + how, "eval/base_", False)]
+    if "eval/base_cfg_guidance_scale" in summary:
+        sides.append((f"base, CFG {summary['eval/base_cfg_guidance_scale']:g}", "eval/base_cfg_", False))
+    sides.append(("tuned" + how, "eval/", True))
+    weights = (config.get("reward", {}) or {}).get("weights", {}) if isinstance(config, dict) else {}
+    seeds = int(summary.get("eval/seeds_per_prompt", 0))
+    columns: list[tuple[str, Any]] = []
+    for name in success_rewards(summary):
+        tag = f" ({name})" if len(success_rewards(summary)) > 1 else ""
+        columns += [(f"strict success{tag}", lambda p, n=name: summary.get(f"{p}{n}_success")),
+                    (f"GenEval overall{tag}", lambda p, n=name: summary.get(f"{p}{n}_success/category_mean")),
+                    (f"prompts with a success in {seeds} seeds{tag}",
+                     lambda p, n=name: summary.get(f"{p}{n}_success/prompts_with_a_success"))]
+
+    def reward(prefix: str):
+        if prefix != "eval/base_cfg_":
+            return summary.get(f"{prefix}reward_mean")
+        parts = [(w, summary.get(f"eval/base_cfg_{n}_mean")) for n, w in weights.items()]
+        return sum(w * v for w, v in parts) if parts and all(v is not None for _, v in parts) else None
+
+    columns += [("reward", reward),
+                ("diversity", lambda p: summary.get({"eval/": "eval/diversity"}.get(p, f"{p}diversity"))),
+                ("wins over base", lambda p: summary.get("eval/win_rate") if p == "eval/" else None)]
+    rows = [{"label": label, "lead": lead, "values": [fmt(get(prefix), ".3g" if title == "reward" else ".2f")
+                                                      for title, get in columns]}
+            for label, prefix, lead in sides]
+    keep = [i for i in range(len(columns)) if any(r["values"][i] != "-" for r in rows)]
+    for r in rows:
+        r["values"] = [r["values"][i] for i in keep]
+    note = f"{int(summary.get('eval/num_prompts', 0))} held-out prompts x {seeds} seeds, the same seeds on every line"
+    return {"columns": [columns[i][0] for i in keep], "rows": rows, "note": note}
+
+
+def category_rows(eval_table: pd.DataFrame | None) -> dict | None:
+    table = category_table(eval_table)
+    if table is None:
+        return None
+    sides = [s for s in ("base", "base_cfg", "tuned") if s in table]
+    columns = ["category", "prompts", "samples", *(s.replace("base_cfg", "base with CFG") for s in sides),
+               "gain (tuned - base)", "5-95% over seeds"]
+    rows = [{"lead": r["category"] in ("overall", "all samples"),
+             "values": [r["category"], int(r["prompts"]), int(r["samples"]), *(fmt(r[s]) for s in sides),
+                        fmt(r["gain"], "+.2f"), f"{r['gain_lo']:+.2f} .. {r['gain_hi']:+.2f}"]}
+            for r in table.to_dict("records")]
+    return {"columns": columns, "rows": rows}
+
+
+def sample_rows(eval_table: pd.DataFrame, grid: np.ndarray) -> dict:
+    """Each held-out prompt (and input image, for edits) a row: up to ``SEEDS_SHOWN`` of its samples per
+    side, cut from the evaluation grid (base band above tuned, an edit's input band above both; one
+    column per sample, a prompt's samples side by side), each with its strict verdict when there is one."""
+    n = len(eval_table)
+    editing = "input_image_sha256" in eval_table.columns
+    sides = ("input", "base", "tuned") if editing else ("base", "tuned")
+    h, w = grid.shape[-3] // len(sides), grid.shape[-2] // n
+    success = success_rewards(eval_table.columns)
+    samples = eval_table.to_dict("records")
+    key = ["prompt", "input_image_sha256"] if editing else ["prompt"]
+    rows, start, most = [], 0, 0
+    while start < n:
+        end = start
+        while end < n and all(samples[end][k] == samples[start][k] for k in key):
+            end += 1
+        most = max(most, end - start)
+        cells = []
+        for k, side in enumerate(sides):
+            shown = range(start, start + 1) if side == "input" else range(start, min(end, start + SEEDS_SHOWN))
+            cells.append([{"alt": side, "width": min(2 * w, THUMB_PX),
+                           "src": data_uri(grid[..., k * h:(k + 1) * h, i * w:(i + 1) * w, :]),
+                           "ok": (bool(samples[i][f"{side}_{success[0]}_success"] >= 0.5)
+                                  if success and side != "input" else None)} for i in shown])
+        rows.append({"prompt": samples[start]["prompt"], "category": samples[start].get("category", ""),
+                     "cells": cells})
+        start = end
+    title = "Held-out edits: input, base | tuned" if editing else "Held-out prompts: base | tuned"
+    note = (f"the first {SEEDS_SHOWN} of {most} seeds per prompt; every sample is in the per-sample table below"
+            if most > SEEDS_SHOWN else "")
+    verdict = f", {chr(10003)} / {chr(10007)}: {success[0]}'s strict verdict" if success else ""
+    return {"title": f"{title}, same seeds{verdict}", "sides": sides, "rows": rows, "note": note}
+
+
 def build_report(
     *,
     config: dict[str, Any],
-    metrics: pd.DataFrame,
+    metrics: pd.DataFrame | None,
     eval_table: pd.DataFrame | None,
     eval_summary: dict[str, float] | None,
     grid: np.ndarray | None,
@@ -200,87 +319,61 @@ def build_report(
     artifacts: dict[str, str] | None = None,
     title: str = "diffusionrl run report",
 ) -> str:
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>{html.escape(title)}</title>",
-        "<style>body{font-family:sans-serif;margin:1.5em;max-width:1400px}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}th{background:#f4f4f4}"
-        "h2{border-bottom:1px solid #ddd}.ok{color:#070}.bad{color:#a00}"
-        ".sample{display:inline-block;text-align:center;margin:0 2px}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1>",
-    ]
-    if eval_summary:
-        gain = eval_summary.get("eval/reward_gain", 0.0)
-        verdict = "ok" if gain > 0 else "bad"
-        parts.append(
-            f"<p class='{verdict}'><b>Tuned vs base on held-out prompts:</b> reward "
-            f"{eval_summary.get('eval/base_reward_mean', float('nan')):.6g} &rarr; "
-            f"{eval_summary.get('eval/reward_mean', float('nan')):.6g} (gain {gain:+.3g}), "
-            f"win rate {eval_summary.get('eval/win_rate', float('nan')):.2f} over "
-            f"{int(eval_summary.get('eval/num_prompts', 0))} prompts.</p>"
-        )
-        success = sorted(k for k in eval_summary  # eval/base_<reward>_success itself, not its .../<figure> keys
-                         if k.startswith("eval/base_") and k.endswith("_success") and "/" not in k[len("eval/"):])
-        for key in success:  # e.g. geneval_mini's strict success
-            tuned = "eval/" + key[len("eval/base_"):]
-            line = (f"<p><b>Strict success ({html.escape(key[len('eval/base_'):-len('_success')])}):</b> "
-                    f"{eval_summary[key]:.2f} &rarr; {eval_summary.get(tuned, float('nan')):.2f} over samples")
-            if f"{key}/category_mean" in eval_summary:  # GenEval's overall: each category counts once
-                line += (f"; GenEval's overall (mean of the categories) {eval_summary[f'{key}/category_mean']:.2f} "
-                         f"&rarr; {eval_summary.get(f'{tuned}/category_mean', float('nan')):.2f}")
-            if f"{key}/prompts_with_a_success" in eval_summary:
-                seeds = int(eval_summary.get("eval/seeds_per_prompt", 0))
-                line += (f"; prompts with at least one success among their {seeds} seeds "
-                         f"{eval_summary[f'{key}/prompts_with_a_success']:.2f} &rarr; "
-                         f"{eval_summary.get(f'{tuned}/prompts_with_a_success', float('nan')):.2f}")
-            parts.append(line + "</p>")
-        if "eval/diversity" in eval_summary:
-            parts.append(f"<p><b>Diversity</b> (mean distance between images of different prompts): "
-                         f"{eval_summary.get('eval/base_diversity', float('nan')):.3f} &rarr; "
-                         f"{eval_summary['eval/diversity']:.3f}</p>")
-    curves = curves_png(metrics) if metrics is not None else None
-    if curves is not None:
-        parts += ["<h2>Training curves</h2>", _img(curves, "training curves")]
-    alarm_plot, alarms = alarm_png(metrics)
-    if alarm_plot is not None:
-        parts += ["<h2>Held-out probes and the reward-hacking alarm</h2>",
-                  "<p>Every <code>eval.every</code> steps the rollout weights draw the held-out prompts (ODE, fixed "
-                  "seeds); an alarm marks a probe where the training reward has risen while the held-out reward fell "
-                  "or the diversity (mean distance between images of different prompts) halved.</p>",
-                  _img(alarm_plot, "reward-hacking alarm")]
-        parts += [f"<p class='bad'><b>Alarm at step {a.step}</b> (policy version {a.policy_version}): "
-                  f"{html.escape(a.reason)}</p>" for a in alarms]
-    if eval_summary:
-        parts.append("<h2>Evaluation summary</h2><table>")
-        parts += [f"<tr><th>{html.escape(k)}</th><td>{v:.6g}</td></tr>" for k, v in sorted(eval_summary.items())]
-        parts.append("</table>")
-    per_category = category_table(eval_table)
-    if per_category is not None:
-        parts += ["<h2>Accuracy per category (held-out prompts): base vs tuned</h2>",
-                  per_category.to_html(index=False, float_format=lambda x: f"{x:.2f}")]
-    editing = eval_table is not None and "input_image_sha256" in eval_table.columns
-    if grid is not None and (per_category is not None or editing) and len(eval_table):
-        title = "Held-out edits: input, base vs tuned" if editing else "Held-out prompts: base vs tuned"
-        parts += [f"<h2>{title}, same seeds</h2>", *_side_by_side(eval_table, grid)]
-    elif grid is not None:
-        parts += ["<h2>Held-out prompts: base (top) vs tuned (bottom), same seeds</h2>",
-                  _img(grid, "eval grid", width=min(1400, grid.shape[-2] * 2))]
-    if eval_table is not None and not eval_table.empty:
-        parts += ["<h2>Per-prompt evaluation</h2>", eval_table.to_html(index=False, float_format=lambda x: f"{x:.6g}")]
-    for name, image in (sample_grids or {}).items():
-        parts += [f"<h2>Training samples: {html.escape(name)}</h2>",
-                  _img(image, name, width=min(1400, image.shape[-2] * 2))]
-    if artifacts:
-        parts.append("<h2>Where everything lives</h2><table>")
-        parts += [f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>"
-                  for k, v in artifacts.items()]
-        parts.append("</table>")
+    """The run report as one self-contained HTML page.
+
+    Args:
+        config (`dict`): the run's config (``Config.to_dict()``); its ``eval.guidance_scale`` names the lines.
+        metrics (`pd.DataFrame` or `None`): one row per step (``metrics.jsonl``), with ``step``.
+        eval_table (`pd.DataFrame` or `None`): the evaluation's per-sample table (``EvalResult.table``).
+        eval_summary (`dict[str, float]` or `None`): the evaluation's summary (``EvalResult.summary``).
+        grid (`np.ndarray` or `None`): the evaluation grid (``EvalResult.grid``), uint8 ``[H, W, 3]`` or frames.
+        sample_grids (`dict[str, np.ndarray]`, *optional*): training sample grids by name (folded).
+        artifacts (`dict[str, str]`, *optional*): where the run's files are, by name.
+        title (`str`, *optional*, defaults to ``"diffusionrl run report"``): the page's title.
+
+    Returns:
+        `str`: the HTML page.
+    """
+    import jinja2
+
+    from diffusionrl.heldout import hacking_alarms
+
+    alarms = []
     if metrics is not None and not metrics.empty:
-        last = metrics.iloc[-1].to_dict()
-        parts += ["<h2>Last step metrics</h2><table>"]
-        parts += [f"<tr><th>{html.escape(str(k))}</th><td>{v:.6g}</td></tr>"
-                  for k, v in sorted(last.items()) if isinstance(v, (int, float))]
-        parts.append("</table>")
-    parts += ["<h2>Configuration</h2>", f"<pre>{html.escape(json.dumps(config, indent=1, sort_keys=True))}</pre>"]
-    parts.append("</body></html>")
-    return "\n".join(parts)
+        records = [{k: v for k, v in r.items() if not (isinstance(v, float) and np.isnan(v))}
+                   for r in metrics.to_dict("records")]
+        alarms = hacking_alarms(records)
+    curve = training_curve_png(metrics, alarms)
+    plots = []
+    more = curves_png(metrics) if metrics is not None else None
+    if more is not None:
+        plots.append({"title": "Loss and KL curves", "src": data_uri(more), "width": None})
+    probe_plot, _ = alarm_png(metrics)
+    if probe_plot is not None:
+        plots.append({"title": "Held-out probes: reward and diversity per policy version", "src": data_uri(probe_plot),
+                      "width": None})
+    plots += [{"title": f"Training samples: {name}", "src": data_uri(image), "width": min(1400, image.shape[-2] * 2)}
+              for name, image in (sample_grids or {}).items()]
+    has_table = eval_table is not None and len(eval_table) > 0
+    samples = sample_rows(eval_table, grid) if grid is not None and has_table else None
+    whole = ({"src": data_uri(grid), "width": min(1400, grid.shape[-2] * 2)}
+             if grid is not None and samples is None else None)
+    ev = config.get("eval", {}) if isinstance(config, dict) else {}
+    model, algorithm = (config.get("model", {}) or {}).get("name"), (config.get("algorithm", {}) or {}).get("name")
+    subtitle = " | ".join(x for x in (f"model {model}" if model else "", f"algorithm {algorithm}" if algorithm else "",
+                                      f"evaluated at guidance {ev['guidance_scale']:g}" if "guidance_scale" in ev
+                                      else "") if x)
+    last = metrics.iloc[-1].to_dict() if metrics is not None and not metrics.empty else {}
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
+                             autoescape=True, trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    return env.get_template(TEMPLATE).render(
+        title=title, subtitle=subtitle, headline=headline(eval_summary, config), categories=category_rows(eval_table),
+        curve=data_uri(curve) if curve is not None else None, alarms=alarms, samples=samples, whole_grid=whole,
+        artifacts=list((artifacts or {}).items()),
+        summary_rows=[(k, fmt(v, ".6g")) for k, v in sorted((eval_summary or {}).items())],
+        eval_rows={"columns": list(eval_table.columns),
+                   "rows": [[fmt(v, ".4g") if isinstance(v, float) else v for v in r]
+                            for r in eval_table.itertuples(index=False)]} if has_table else None,
+        plots=plots, last_rows=[(str(k), fmt(v, ".6g")) for k, v in sorted(last.items(), key=lambda kv: str(kv[0]))
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)],
+        config_json=json.dumps(config, indent=1, sort_keys=True, default=str))

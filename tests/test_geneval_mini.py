@@ -161,12 +161,13 @@ def test_report_shows_the_per_category_table_and_prompts_side_by_side():
     assert category_table(table.drop(columns="category")) is None
     grid = np.zeros((2 * 16, 3 * 16, 3), np.uint8)
     page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=None, grid=grid)
-    assert "Accuracy per category" in page and "three squares" in page
+    assert "Strict accuracy per category" in page and "three squares" in page
     assert page.count("<img") == 6 and page.count("&#10003;") == 3  # base + tuned per prompt, 3 successes
     summary = {"eval/base_geneval_mini_success": 0.15, "eval/geneval_mini_success": 0.23, "eval/seeds_per_prompt": 8,
                "eval/base_geneval_mini_success/prompts_with_a_success": 0.48,
                "eval/geneval_mini_success/prompts_with_a_success": 0.96}
     page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=summary, grid=grid)
-    assert "0.15 &rarr; 0.23 over samples" in page
-    assert "prompts with at least one success among their 8 seeds 0.48 &rarr; 0.96" in page
-    assert page.count("Strict success") == 1  # the .../prompts_with_a_success keys are figures of that line
+    # one line per side: strict success over samples, then pass@seeds (figures of that line, not lines)
+    assert '<th>base</th><td class="num">0.15</td><td class="num">0.48</td>' in page
+    assert '<th>tuned</th><td class="num">0.23</td><td class="num">0.96</td>' in page
+    assert "prompts with a success in 8 seeds" in page and page.count("strict success</th>") == 1
