@@ -24,7 +24,7 @@ from flytekit.types.error import FlyteError
 from flytekit.types.file import FlyteFile
 
 from diffusionrl import tracking
-from diffusionrl.errors import UserError
+from diffusionrl.errors import UserError, filesystem_error
 from diffusionrl.run import Callback
 from diffusionrl.serving import Registration
 from diffusionrl.tracking import TrackingRun
@@ -48,8 +48,9 @@ def user_errors(fn):
     one-line message names the key, file or line) leaves the task without the library frames below
     it. Flyte shows the message; ``pyflyte run`` prints every task error as a traceback box (flytekit
     1.16 prints one for any exception that is not click's), here the task's own frame, then
-    ``<Type>: Error encountered while executing '<task>':`` and the message line. Other
-    exceptions keep their traceback."""
+    ``<Type>: Error encountered while executing '<task>':`` and the message line. The file system refusing
+    a file (no permission, read-only, full: ``errors.filesystem_error``) is such an error too, naming the path.
+    Other exceptions keep their traceback."""
 
     @functools.wraps(fn)
     def task_body(*args, **kwargs):
@@ -57,6 +58,11 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except UserError as exc:
             raise exc.with_traceback(None) from None
+        except Exception as exc:
+            err = filesystem_error(exc)
+            if err is None:
+                raise
+            raise err from None
 
     return task_body
 

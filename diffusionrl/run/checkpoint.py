@@ -278,13 +278,18 @@ def _skip(exc: CheckpointDamaged) -> None:
 
 
 def _newest_intact(root: str | Path, open_one):
-    """``open_one(path)`` of the newest checkpoint of ``root`` it succeeds on; a damaged one is
-    reported in one warning line and skipped; None when there is none; ``CheckpointDamaged``
-    when every one is damaged."""
+    """``open_one(path)`` of the newest checkpoint of ``root`` it succeeds on; a damaged one (or one with a
+    file this user may not read) is reported in one warning line and skipped; None when there is none;
+    ``CheckpointDamaged`` when every one is damaged."""
     damaged = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return open_one(path)
+            try:
+                return open_one(path)
+            except PermissionError as exc:  # unreadable by this user: as useless to a resume as a damaged one
+                name = Path(exc.filename).name if exc.filename else "a file"
+                raise CheckpointDamaged(path, f"{name} is not readable by this user (permission denied; chmod/chown "
+                                              "it to resume from it)") from exc
         except CheckpointDamaged as exc:
             _skip(exc)
             damaged.append(exc)

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from diffusionrl.errors import UserError
+from diffusionrl.errors import UserError, naming
 
 from .callbacks import Callback
 from .checkpoint import (
@@ -149,7 +149,7 @@ class RunLoop:
         self.history.append(metrics)
         for cb in self.callbacks:
             cb.on_metrics(self, self.step, metrics)
-        with self.metrics_path.open("a") as fh:
+        with naming(self.metrics_path), self.metrics_path.open("a") as fh:  # a full disk: one line naming it
             fh.write(json.dumps(metrics) + "\n")
         for cb in self.callbacks:
             cb.on_step(self, self.step, batch, metrics)
@@ -161,7 +161,9 @@ class RunLoop:
         state = self.backend.state(self.step)
         state.config = self.config
         state.inputs = self.inputs
-        path = save_checkpoint(self.ckpt_dir / f"step-{self.step:06d}", state)
+        path = self.ckpt_dir / f"step-{self.step:06d}"
+        with naming(path):  # a full or read-only disk: one line naming the checkpoint
+            save_checkpoint(path, state)
         prune_checkpoints(self.ckpt_dir, self.schedule.keep_checkpoints)
         for cb in self.callbacks:
             cb.on_checkpoint(self, path)
@@ -258,7 +260,8 @@ class RunLoop:
             self.set_aside()
             self.backend.start()
             self.metrics_path.unlink(missing_ok=True)
-        (self.out_dir / CONFIG_FILE).write_text(json.dumps(self.config, indent=1))
+        with naming(self.out_dir / CONFIG_FILE):
+            (self.out_dir / CONFIG_FILE).write_text(json.dumps(self.config, indent=1))
         total = self.schedule.steps
         last = total if stop_after is None else min(total, self.step + stop_after)
         every = self.schedule.checkpoint_every
