@@ -1,11 +1,11 @@
 """One Flyte literal type per config class, computed once per process.
 
 flytekit's ``DataclassTransformer.get_literal_type`` builds a dataclass's JSON schema (mashumaro)
-and its fields' literal types every time an interface names the class: for the image ``Config``
-~0.3 s of CPU, paid at import for every task that takes a ``Config`` (or a section) and again for
-every workflow node when a workflow is compiled (its first local call) -- about 20 times per
-``pyflyte run``. The type of a class does not change within a process, so the first answer is kept
-for the config trees (``diffusionrl.config.tree.ConfigTree`` subclasses and their section
+and its fields' literal types every time an interface names the class: for the image ``Config`` a
+noticeable cost, paid at import for every task that takes a ``Config`` (or a section) and again for
+every workflow node when a workflow is compiled (its first local call), many times per ``pyflyte
+run``. The type of a class does not change within a process, so the first answer is kept for the
+config trees (``diffusionrl.config.tree.ConfigTree`` subclasses and their section
 dataclasses, whose modules are ``diffusionrl.*``); every other dataclass goes through flytekit as
 before. Imported by ``tasks/__init__.py``, before any task is declared.
 """

@@ -151,7 +151,7 @@ RAY_ENVIRONMENT = {**ENVIRONMENT, "DIFFUSIONRL_RAY_AUTOSCALING": "1"}
 class OnDemandRayJobConfig(RayJobConfig):
     """``RayJobConfig`` (a KubeRay job on a cluster, serialized the same) whose local execution
     starts no Ray of its own: flytekit's Ray task calls ``ray.init()`` before the body in every
-    local run (~5 s, plus a dashboard and idle workers competing for the cores while training),
+    local run (seconds, plus a dashboard and idle workers competing for the cores while training),
     whereas the library starts a local Ray itself when the config needs one
     (``raycluster.ensure_ray``: reward actors, ``train.world_size > 1``)."""
 

@@ -58,7 +58,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def package(root, services):
-    # Registered as the README says: the tracking server's URI goes into every task's environment.
+    # Registered as docs/cluster.md says: the tracking server's URI goes into every task's environment.
     return ch.build_package(ROOT, root / "package", MLFLOW_TRACKING_URI=services["mlflow_url"])
 
 

@@ -1,5 +1,5 @@
 """Mistakes in a run's model, LoRA, SFT and run-folder inputs are one line, found before any weights
-load (issue 28): a mistyped folder is "no such folder", never an invalid hub id; a damaged
+load: a mistyped folder is "no such folder", never an invalid hub id; a damaged
 pipeline folder, a wrong ``sampling.num_frames``, a bad ``init_lora`` or ``sft_source``, a store
 without credentials each name the setting and the fix. No model is loaded and nothing reaches a
 network here."""

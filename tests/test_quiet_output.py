@@ -1,4 +1,4 @@
-"""No noise on every run (issue 28): transformers' torchvision fallback notice, diffusers' ``torch_dtype``
+"""No noise on every run: transformers' torchvision fallback notice, diffusers' ``torch_dtype``
 FutureWarning from our loads, and the bars of saving and loading a pipeline folder are gone; other
 warnings still show."""
 

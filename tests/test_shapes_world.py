@@ -48,7 +48,7 @@ def test_the_prompt_source_loads_the_split_with_specs():
 
 
 def test_the_four_prompt_bench_set_is_rows_of_the_world():
-    """bench/data/shapes-4 (README: four fixed prompts): world rows as the generator writes them, one of
+    """bench/data/shapes-4 (bench/README.md, "Four fixed prompts"): world rows as the generator writes them, one of
     each of four categories a split, no prompt in both, none of its test prompts trained on."""
     from pathlib import Path
 

@@ -4,7 +4,7 @@ Real diffusers/transformers classes (SD3Transformer2DModel, AutoencoderKL with S
 channels and 8x spatial compression, two CLIPTextModelWithProjection, T5EncoderModel,
 FlowMatchEulerDiscreteScheduler with shift 3.0), tokenizers built from an in-code vocabulary.
 Each constructor runs right after ``torch.manual_seed(TINY_SEED + k)``, so every machine with the
-same torch version builds the same weights. About 0.6 M parameters; 64 px in ~0.1 s a step on CPU.
+same torch version builds the same weights. About 0.6 M parameters.
 
 The parts the tiny builtins share are built here, once: the tokenizers (``build_tokenizers``), the
 CLIP and T5 text encoders (``tiny_clip``, ``tiny_t5``), the config of a decoder-LM text encoder

@@ -34,7 +34,7 @@ from .measure import CACHE, cache_key, load_cache, lora_suffixes, measure_saved,
 GIB = 2**30
 FRAGMENTATION = 0.10  # of the tensor bytes: the caching allocator's blocks that a peak cannot reuse
 CUDA_CONTEXT = 1.0 * GIB  # per process on the GPU (CUDA context, cuBLAS/NCCL workspaces)
-MFU = 0.35  # assumed model FLOPs utilisation: not measured on a GPU here
+MFU = 0.35  # the model FLOPs utilisation the time estimates assume
 PCIE = 25e9  # bytes/s of a host <-> device copy (optimizer offload)
 # name -> (memory in bytes as nvidia-smi reports it, dense fp16/bf16 FLOP/s, dense tf32 FLOP/s)
 GPUS = {

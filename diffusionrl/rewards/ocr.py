@@ -129,14 +129,14 @@ def _resolve_threads(threads: int | None) -> int:
 
 class RapidOcrBackend:
     """RapidOCR (PP-OCRv4 ONNX from the wheel). Images are read one at a time: on CPU, stacking
-    same-size images into one detector call and batching crops across images measured slower
-    (0.29 vs 0.06 s/img for detection, 0.041 vs 0.023 s/img for recognition) than one by one."""
+    same-size images into one detector call and batching crops across images is slower than one by
+    one, for detection and for recognition (bench/README.md)."""
 
     def __init__(self, threads: int | None = None, det_limit_side_len: int = 960, text_score: float = 0.5):
         """``threads``: onnxruntime intra-op threads (None or 0: $DIFFUSIONRL_REWARD_THREADS, else all cores).
 
         Detection keeps images up to ``det_limit_side_len`` at their own size (PaddleOCR's
-        behaviour; RapidOCR's default upscales a 512 px image to 736 px, 2x slower).
+        behaviour; RapidOCR's default upscales a 512 px image to 736 px, which is slower).
         """
         try:
             from rapidocr_onnxruntime import RapidOCR

@@ -1,7 +1,7 @@
 """Who owns a run folder: one run writes a folder at a time, a second one refuses naming the first.
 
 Two runs in one folder (two ``python -m diffusionrl.train --out X``, two executions with the same
-``checkpoint_dir``) both exited 0 with their metrics rows interleaved in one ``metrics.jsonl`` and
+``checkpoint_dir``) would both exit 0 with their metrics rows interleaved in one ``metrics.jsonl`` and
 each other's checkpoints resumed or pruned. So a run holds its folder for as long as it runs
 (``hold_run_folder``), and a second writer gets ``RunFolderBusy``: one line naming the owner
 (``pid@host``) and since when.

@@ -6,8 +6,8 @@ skipped because a loss or the gradient norm was not finite (``train/skipped_upda
 were all skipped, or it had none to make (no sample carried a learning signal: every prompt group's
 rewards were equal, ``rollout/zero_std/count``, or DPO formed no preference pair). One idle step is
 chance; a row of them means the objective or the reward is broken (a temperature that overflows, a
-constant reward, NaN in the model), and such a run used to finish with exit status 0 and register
-the LoRA it started with. So, over the run's metric rows (``RunLoop.history``, reread from
+constant reward, NaN in the model), and without a guard such a run would finish with exit status 0
+and register the LoRA it started with. So, over the run's metric rows (``RunLoop.history``, reread from
 ``metrics.jsonl`` on resume, so the count spans resumes):
 
 - ``train.max_idle_steps`` idle steps in a row stop the run, and so does a run that reaches its

@@ -45,7 +45,7 @@ def write_parquet(table: pa.Table, path: str | Path) -> Path:
 
     Only string columns are dictionary-encoded (run id, prompt, SDE type, metadata repeat within a
     step); pyarrow's default tries a dictionary on every column and gives up on the float tensors
-    and PNG bytes only after building one: 3x slower and a larger file.
+    and PNG bytes only after building one: slower, and a larger file.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -190,7 +190,7 @@ def free_port(lo: int = 20000, hi: int = 32000) -> int:
     """A free TCP port P on 127.0.0.1 whose neighbour P+1 (SGLang's broker port) is free too.
 
     Drawn below Linux's ephemeral range (32768+), where outgoing connections take their ports:
-    a port from ``bind(0)`` can be taken by one during the server's ~20 s start."""
+    a port from ``bind(0)`` can be taken by one during the server's start."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(lo, hi)
@@ -211,7 +211,8 @@ def _bindable(port: int) -> bool:
 def _lowest_priority_on_cpu() -> None:
     """In the server's child process: without a GPU, run it at the lowest CPU priority. Its
     scheduler busy-polls a core even when idle, and a trainer sharing these cores (torch's
-    OpenMP threads wait for each other) was measured ~60x slower next to it at normal priority."""
+    OpenMP threads wait for each other) is many times slower next to it at normal priority
+    (bench/README.md)."""
     if not torch.cuda.is_available():
         os.nice(19)
         try:  # with autogroup scheduling, niceness counts between sessions only through this
