@@ -212,3 +212,44 @@ def test_balanced_sampling_gives_every_category_an_equal_share_and_resumes_exact
     assert uniform["color_attr"] > 3 * uniform["single"]  # the default draws rows, not categories
     with pytest.raises(PromptDataError, match="balance_by='category': 1 of 2 training rows have no 'category'"):
         PromptSampler([{"prompt": "a", "category": "x"}, {"prompt": "b"}], 2, 0, balance_by="category")
+
+
+def test_every_bad_row_of_a_file_is_reported_in_one_error(tmp_path):
+    """The readers stopped at the first bad line: a user needed one run per bad line. Now one error lists a file's
+    bad rows (the first 20, then how many more), each naming its line; json's "... character at" reads once."""
+    from diffusionrl.config import RewardConfig
+    from diffusionrl.rewards import prompt_validator
+
+    path = tmp_path / "p.jsonl"
+    lines = ['{"prompt": "ok 0"}', '{"prompt": "a cat', '{"text": "no prompt"}', '{"prompt": 3}', '{"prompt": "ok 1"}']
+    path.write_text("\n".join(lines + ["{oops}"] * 20) + "\n")
+    with pytest.raises(PromptDataError) as err:
+        load_prompts(DataConfig(source=str(path)))
+    message = _one_line_error(err)
+    assert message.startswith(
+        f"{path}: 23 bad rows, fix them all: {path}:2: invalid JSON (Invalid control character at column 18); "
+        f"{path}:3: missing the 'prompt' field (keys: ['text']); {path}:4: 'prompt' must be a string, got int; "
+        f"{path}:6: invalid JSON (Expecting property name enclosed in double quotes at column 2); ")
+    assert message.endswith(f"{path}:22: invalid JSON (Expecting property name enclosed in double quotes at column "
+                            "2); and 3 more") and "at at" not in message
+    text = tmp_path / "p.txt"
+    text.write_bytes(b"a cat\n\xff bad\na dog\nalso \xfe bad\n")
+    with pytest.raises(PromptDataError, match=rf"^{text}: 2 bad rows, fix them all: {text}:2: not valid UTF-8 "
+                                              rf"\(invalid start byte\); {text}:4: not valid UTF-8"):
+        load_prompts(DataConfig(source=str(text)))
+    images = tmp_path / "e.jsonl"  # rows whose image is missing, all of them
+    images.write_text("".join(json.dumps({"prompt": f"edit {i}", "image": f"imgs/{i}.png"}) + "\n" for i in range(3)))
+    with pytest.raises(PromptDataError, match=rf"^{images}: 3 bad rows, fix them all: {images}:1: cannot read the "
+                                              r"image .*; .*e.jsonl:2: cannot read .*; .*e.jsonl:3: cannot read"):
+        load_prompts(DataConfig(source=str(images)))
+    ocr = tmp_path / "ocr.txt"
+    ocr.write_text('a "A"\nno quotes\na "B"\nnone here\nnor here\n')
+    with pytest.raises(PromptDataError, match=rf"^{ocr}:2: has no text for the OCR reward: .*\(3 of 5 rows of {ocr} "
+                                              rf"are like this: {ocr}:2, {ocr}:4, {ocr}:5\)"):
+        load_prompts(DataConfig(source=str(ocr)), validate=prompt_validator(RewardConfig(weights={"ocr": 1.0})))
+    shapes = tmp_path / "shapes.jsonl"
+    shapes.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    with pytest.raises(PromptDataError, match=rf"^{shapes}: 3 rows are not what the geneval_mini reward needs .*: "
+                                              rf"{shapes}:1: no shapes-world 'spec' .*; {shapes}:3: no shapes"):
+        load_prompts(DataConfig(source=str(shapes)),
+                     validate=prompt_validator(RewardConfig(weights={"geneval_mini": 1.0})))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .readers import PromptDataError, hf_download
+from .readers import BadRows, PromptDataError, hf_download
 
 DATA_URI = "data:"
 # the most pixels an input image may have (16 MP), read from its header before it is decoded: PIL's own guard
@@ -190,9 +190,18 @@ def resolve_row_image(row: dict, where: str, base: str | Path | None = None) -> 
     return out
 
 
-def resolve_row_images(located: list[tuple[str, dict]], base: str | Path | None = None) -> list[tuple[str, dict]]:
-    """``resolve_row_image`` over ``(where, row)`` pairs."""
-    return [(where, resolve_row_image(row, where, base)) for where, row in located]
+def resolve_row_images(located: list[tuple[str, dict]], base: str | Path | None = None,
+                       name: str = "rows") -> list[tuple[str, dict]]:
+    """``resolve_row_image`` over ``(where, row)`` pairs (of the file ``name``); the rows whose image is bad are
+    reported together, in one ``PromptDataError`` (``readers.BadRows``)."""
+    bad, out = BadRows(name), []
+    for where, row in located:
+        try:
+            out.append((where, resolve_row_image(row, where, base)))
+        except PromptDataError as exc:
+            bad.add(exc)
+    bad.check()
+    return out
 
 
 def check_image_rows(located: list[tuple[str, dict]]) -> None:

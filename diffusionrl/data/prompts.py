@@ -19,8 +19,9 @@ an editing model; ``data.images`` reads and checks it here and rewrites it as a 
 its ``image_sha256`` and ``image_uri``. Every row of a source carries an image or none does (the first row that
 differs is named here, not in a training step).
 
-Malformed rows raise ``PromptDataError`` (a ``diffusionrl.errors.UserError``) naming the file and line, and so
-do the reward's own prompt checks (e.g. an OCR prompt without a quoted text). A UTF-8 byte-order mark is
+Malformed rows raise ``PromptDataError`` (a ``diffusionrl.errors.UserError``) naming the file and line, all of a
+file's bad rows in one error (up to ``readers.MAX_REPORTED``), and so do the reward's own prompt checks (e.g. an
+OCR prompt without a quoted text). A UTF-8 byte-order mark is
 dropped. Blank and duplicate prompts are dropped and counted (a test row that repeats a training prompt is a
 duplicate; a row with an input image is a duplicate only with the same prompt on the same image: ``row_key``).
 Every source must give both splits, non-empty and disjoint, or ``load_prompts`` fails saying why;
@@ -192,7 +193,7 @@ def load_prompts(data_cfg, validate=None) -> PromptSet:
         if path.is_dir():
             train, test = _read_split_folder(path, source, stats, validate)
         else:
-            located = clean_rows(resolve_row_images(read_file(path, source), image_base(source, path)), stats)
+            located = clean_rows(resolve_row_images(read_file(path, source), image_base(source, path), source), stats)
             check_image_rows(located)
             if len(located) < 2:
                 raise PromptDataError(f"{source}: {_too_few(len(located), stats)}")
@@ -287,7 +288,7 @@ def _read_split_folder(folder: Path, name: str, stats: dict[str, int], validate=
         where = f"{name.rstrip('/')}/{path.name}"
         split_stats: dict[str, int] = {}
         rows = read_file(path, where)
-        located = clean_rows(resolve_row_images(rows, folder), split_stats, seen)
+        located = clean_rows(resolve_row_images(rows, folder, where), split_stats, seen)
         for k, v in split_stats.items():
             stats[k] = stats.get(k, 0) + v
         if not located:

@@ -189,13 +189,20 @@ class SceneJudge(Reward):
     @classmethod
     def validate_prompts(cls, prompts: Sequence[str], metadata: Sequence[dict] | None = None,
                          source: str = "prompts", locations: Sequence[str] | None = None) -> None:
+        bad = []  # every bad row in one error (the first 20), not one per run
         for i, meta in enumerate(metadata or [{}] * len(prompts)):
             try:
                 cls.parse(meta or {})
             except (ValueError, TypeError) as exc:
                 where = locations[i] if locations else f"{source} row {i + 1}"
-                raise ValueError(f"{where}: the {cls.name} reward needs {cls.rows}: {exc} "
-                                 f"({prompts[i][:60]!r})") from exc
+                bad.append((where, f"{exc} ({prompts[i][:60]!r})"))
+        if len(bad) == 1:
+            raise ValueError(f"{bad[0][0]}: the {cls.name} reward needs {cls.rows}: {bad[0][1]}")
+        if bad:
+            more = f"; and {len(bad) - 20} more" if len(bad) > 20 else ""
+            listed = "; ".join(f"{where}: {why}" for where, why in bad[:20])
+            raise ValueError(f"{source}: {len(bad)} rows are not what the {cls.name} reward needs ({cls.rows}): "
+                             f"{listed}{more}")
 
     def __call__(self, images, prompts, metadata) -> RewardResult:
         n = len(prompts)

@@ -62,7 +62,8 @@ def ocr_target(prompt: str, meta: dict | None = None) -> str | None:
 
 def validate_ocr_prompts(prompts: Sequence[str], metadata: Sequence[dict] | None = None,
                          source: str = "prompts", locations: Sequence[str] | None = None) -> list[str]:
-    """The OCR target of every row; ``ValueError`` naming the first bad row if any has none.
+    """The OCR target of every row; ``ValueError`` naming the first bad row if any has none (and, with
+    ``locations``, every bad row's, up to 20).
 
     ``source`` says where the rows come from (a file path, "reward batch") for the message;
     ``locations[i]`` (``path:line``), when given, names row i instead of its index.
@@ -80,10 +81,14 @@ def validate_ocr_prompts(prompts: Sequence[str], metadata: Sequence[dict] | None
     if bad:
         first = bad[0]
         row = f"{locations[first]}:" if locations is not None else f"{source}: row {first}"
+        listed = ""
+        if locations is not None and len(bad) > 1:  # every bad row in one error (the first 20), not one per run
+            more = f" and {len(bad) - 20} more" if len(bad) > 20 else ""
+            listed = f": {', '.join(locations[i] for i in bad[:20])}{more}"
         raise ValueError(
             f"{row} has no text for the OCR reward: prompt {prompts[first]!r} has no non-empty "
-            f'double-quoted span ({len(bad)} of {len(prompts)} rows of {source} are like this). Quote the text to '
-            f'render, e.g. \'a shop sign that says "OPEN"\', or give the row a "text" field.'
+            f'double-quoted span ({len(bad)} of {len(prompts)} rows of {source} are like this{listed}). Quote the '
+            f'text to render, e.g. \'a shop sign that says "OPEN"\', or give the row a "text" field.'
         )
     return targets
 
