@@ -156,3 +156,46 @@ def test_a_run_folder_without_credentials_fails_the_first_task_in_one_line(monke
         body(config=cfg, overrides=["sampling.num_frames=5"], sft_steps=0, sft_overrides=[])
     assert body(config=cfg, overrides=[], sft_steps=0, sft_overrides=[], checkpoint_dir=str(tmp_path)) == cfg
     assert issubclass(RunFolderError, UserError)
+
+
+def test_a_config_folder_is_named_a_folder_not_missing(tmp_path, capsys):
+    from diffusionrl.config.tree import read_config_file
+    from diffusionrl.train import main
+
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path} is a folder; give the YAML \(or .json\) file in "
+                                          rf"it, e.g. {tmp_path / 'config.yaml'}$"):
+        read_config_file(tmp_path)
+    with pytest.raises(ConfigError, match=r"config file .*nope.yaml does not exist"):
+        read_config_file(tmp_path / "nope.yaml")
+    assert main(["--config", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
+    assert f"config file {tmp_path} is a folder" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_cuda_device_this_torch_cannot_use_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """model.device=cuda on a CPU-only torch ended in a long traceback from the first tensor moved there."""
+    import time
+
+    from diffusionrl.train import main
+    from diffusionrl.training.preflight import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ConfigError, match=r"^model.device=cuda, but this torch is a CPU-only build; set model.device="
+                                          r"auto \(a GPU where there is one, else the CPU\) or model.device=cpu, or "
+                                          r"run where a GPU is$"):
+        check_device("cuda")
+    t0 = time.perf_counter()
+    assert main(["--preset", "tiny-cpu", "--set", "model.device=cuda:0", "--steps", "1",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "model.device=cuda:0, but this torch is a CPU-only build" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert time.perf_counter() - t0 < 30  # refused before the model was built
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    with pytest.raises(ConfigError, match=r"no CUDA GPU is visible to this process"):
+        check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"^model.device=cuda:2, but this process sees 2 GPU\(s\) \(cuda:0 to "
+                                          r"cuda:1\)"):
+        check_device("cuda:2")
+    for ok in ("cuda", "cuda:1", "auto", "cpu"):
+        check_device(ok)

@@ -368,6 +368,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML (or ``.json``) config file; an empty file is ``{}``."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; give the YAML (or .json) file in it, e.g. "
+                          f"{path / 'config.yaml'}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     text = path.read_text()

@@ -8,7 +8,8 @@ one line (a ``UserError``) naming the setting and the fix: the model reference a
 pipeline, a truncated weights file, ``sampling.num_frames`` > 1 for an image model, a
 ``guidance_scale_2`` for a model without two experts: ``check_guidance_2``) and the
 warm-start LoRA (``check_init_lora``: a missing folder, one that is not a peft LoRA, a rank that
-is not ``model.lora_rank``). Both the one-process worker and the rank group call it, so neither
+is not ``model.lora_rank``), and a ``model.device`` naming a CUDA device this machine's torch cannot use
+(``check_device``). Both the one-process worker and the rank group call it, so neither
 the local nor the distributed layout starts loading on inputs that cannot work.
 """
 
@@ -28,11 +29,31 @@ def check_inputs(cfg, model_path: str | None = None) -> None:
     ``algorithm.init_lora`` before any weights load."""
     from diffusionrl.models.families import check_guidance_2, check_model
 
+    check_device(cfg.model.device)
     key = "model.name" if not model_path else f"model folder (fetched for model.name={cfg.model.name})"
     check_model(model_path or cfg.model.name, cfg.model.revision, cfg.sampling.num_frames, key=key)
     check_guidance_2(cfg, model_path or cfg.model.name, key)
     if cfg.algorithm.init_lora:
         check_init_lora(str(cfg.algorithm.init_lora), cfg.model.lora_rank)
+
+
+def check_device(device: str) -> None:
+    """``model.device`` (``cuda``, ``cuda:N``) names a GPU this process's torch can use, checked on the machine
+    that loads the model (a config is resolved anywhere): a CPU build of torch, no visible GPU or an index past
+    the last one is one line, not a traceback from the first tensor moved there. ``auto`` and ``cpu`` pass."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    fix = "set model.device=auto (a GPU where there is one, else the CPU) or model.device=cpu"
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else "no CUDA GPU is visible to this process (the driver, CUDA_VISIBLE_DEVICES)")
+        raise ConfigError(f"model.device={device}, but {why}; {fix}, or run where a GPU is")
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"model.device={device}, but this process sees {torch.cuda.device_count()} GPU(s) "
+                          f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); pick one of them, or {fix}")
 
 
 def check_init_lora(uri: str, lora_rank: int | None = None) -> None:
