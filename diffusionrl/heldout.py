@@ -74,8 +74,9 @@ class HeldOutProbe:
         self.spec = spec
         self.scorer = scorer
         self.seed = cfg.eval.seed
-        tc = cfg.train  # a probe fills whole blocks as a rollout does (distributed.shards.assign_blocks)
-        self.block = math.lcm(tc.group_size, tc.micro_batch_size) * (tc.rollout_engines if tc.world_size > 1 else 1)
+        train_cfg = cfg.train  # a probe fills whole blocks as a rollout does (distributed.shards.assign_blocks)
+        engines = train_cfg.rollout_engines if train_cfg.world_size > 1 else 1
+        self.block = math.lcm(train_cfg.group_size, train_cfg.micro_batch_size) * engines
 
     def due(self, version: int) -> bool:
         """Whether the weights after ``version`` updates are probed (0: the base, then every ``every``)."""

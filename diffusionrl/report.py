@@ -224,8 +224,8 @@ def headline(summary: dict[str, float] | None, config: dict[str, Any]) -> dict |
     """The top lines: base, base with CFG (when evaluated) and tuned, each a row of figures."""
     if not summary:
         return None
-    ev = config.get("eval", {}) if isinstance(config, dict) else {}
-    scale = ev.get("guidance_scale")
+    eval_cfg = config.get("eval", {}) if isinstance(config, dict) else {}
+    scale = eval_cfg.get("guidance_scale")
     how = "" if scale is None else ", CFG-free" if scale <= 1 else f", CFG {scale:g}"
     sides = [("base" + how, "eval/base_", False)]
     if "eval/base_cfg_guidance_scale" in summary:
@@ -358,11 +358,11 @@ def build_report(
     samples = sample_rows(eval_table, grid) if grid is not None and has_table else None
     whole = ({"src": data_uri(grid), "width": min(1400, grid.shape[-2] * 2)}
              if grid is not None and samples is None else None)
-    ev = config.get("eval", {}) if isinstance(config, dict) else {}
+    eval_cfg = config.get("eval", {}) if isinstance(config, dict) else {}
     model, algorithm = (config.get("model", {}) or {}).get("name"), (config.get("algorithm", {}) or {}).get("name")
+    guidance = eval_cfg.get("guidance_scale")
     subtitle = " | ".join(x for x in (f"model {model}" if model else "", f"algorithm {algorithm}" if algorithm else "",
-                                      f"evaluated at guidance {ev['guidance_scale']:g}" if "guidance_scale" in ev
-                                      else "") if x)
+                                      f"evaluated at guidance {guidance:g}" if guidance is not None else "") if x)
     last = metrics.iloc[-1].to_dict() if metrics is not None and not metrics.empty else {}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
                              autoescape=True, trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

@@ -97,8 +97,9 @@ def build_loop(cfg: Config, out_dir: str | Path, *, prompts=None, callbacks: lis
         all_prompts = [r["prompt"] for r in prompts.train + prompts.test]
         worker.adapter.warn_truncated(all_prompts, cfg.model.max_sequence_length)
     backend = ImageBackend(cfg, out_dir, prompts, worker, scorer if scorer is not None else make_scorer(cfg.reward))
-    tc = cfg.train
-    schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints)
+    train_cfg = cfg.train
+    schedule = Schedule(steps=train_cfg.steps, checkpoint_every=train_cfg.checkpoint_every,
+                        keep_checkpoints=train_cfg.keep_checkpoints)
     # every image run watches its held-out probes for reward hacking (diffusionrl.heldout), and stops
     # when it stops updating (training.guard: last, so the tripping step's metrics are written and synced)
     return RunLoop(backend, out_dir, schedule, cfg.to_dict(),
@@ -118,9 +119,9 @@ def build_sft_loop(cfg: Config, out_dir: str | Path, *, callbacks: list[Callback
     check_local_out(out_dir)
     rows = load_image_pairs(cfg.algorithm.sft_source, cfg.sampling.resolution, cfg.data.seed)
     worker = LocalPolicyWorker(cfg, model_path=model_path, engine_factory=SFTBackend.no_engine)
-    tc = cfg.train
-    schedule = Schedule(steps=tc.steps, checkpoint_every=tc.checkpoint_every, keep_checkpoints=tc.keep_checkpoints,
-                        postfix_metric="train/loss", postfix_label="loss")
+    train_cfg = cfg.train
+    schedule = Schedule(steps=train_cfg.steps, checkpoint_every=train_cfg.checkpoint_every,
+                        keep_checkpoints=train_cfg.keep_checkpoints, postfix_metric="train/loss", postfix_label="loss")
     return RunLoop(SFTBackend(cfg, out_dir, worker, rows), out_dir, schedule, cfg.to_dict(),
                    callbacks=[*(callbacks or []), UpdateGuard(cfg.train)], progress=progress,
                    free_keys=FREE_KEYS, inputs=input_digests(cfg, sft_rows=rows))
@@ -185,7 +186,24 @@ def train(cfg: Config, out_dir: str | Path, resume: str | Path | None = "auto", 
           allow_config_change: bool = False, **kw) -> RunResult:
     """Build a loop for ``cfg`` (``build_loop``'s keywords) and run it to the end (``RunLoop.run``).
     ``out_dir`` is owned from before the model loads (``run.lock``): a folder another run holds
-    fails at once, naming it, not after minutes of loading."""
+    fails at once, naming it, not after minutes of loading.
+
+    Args:
+        cfg (`Config`): the run's config (``load_config``).
+        out_dir (`str` or `Path`): a local folder: checkpoints, ``metrics.jsonl``, ``lora/``.
+        resume (`str`, `Path` or `None`, *optional*, defaults to ``"auto"``): ``"auto"`` resumes from
+            ``out_dir``'s latest intact checkpoint if there is one; a checkpoint folder resumes from it;
+            `None` starts fresh (earlier run files are moved aside).
+        stop_after (`int`, *optional*, defaults to `None`): stop after this many steps of this call.
+        allow_config_change (`bool`, *optional*, defaults to `False`): resume although objective settings
+            or input digests differ from the checkpoint's (each change recorded).
+        **kw: ``build_loop``'s keywords (``prompts``, ``callbacks``, ``progress``, ``model_path``,
+            ``engine_factory``, ``scorer``).
+
+    Returns:
+        `RunResult`: the output folder, the LoRA folder (``model_dir``), the metric rows, the steps done and
+        the last checkpoint.
+    """
     from diffusionrl.run import check_local_out, hold_run_folder
 
     check_local_out(out_dir)  # a URI here would be a local folder named like it (memory:/x): refused first
@@ -204,6 +222,17 @@ class PrintMetrics(Callback):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m diffusionrl.train`` (and the ``diffusionrl-train`` script); see the module docstring.
+
+    Args:
+        argv (`list[str]`, *optional*, defaults to `None`): the arguments (`None`: ``sys.argv[1:]``):
+            ``--preset NAME``, ``--config FILE``, ``--set KEY=VALUE`` (repeatable), ``--steps N``,
+            ``--out DIR`` (default ``runs/train``), ``--fresh``, ``--allow-config-change``, ``--help-config``.
+
+    Returns:
+        `int`: the exit status: 0, or 2 for a mistake in the config, the prompts or the run folder (one line
+        on stderr).
+    """
     ap = argparse.ArgumentParser(prog="python -m diffusionrl.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default=None, help="named preset (default: tiny-cpu, or the file's 'preset')")

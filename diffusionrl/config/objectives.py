@@ -39,7 +39,20 @@ EXACT_SDE_TYPES = ("sde", "dance")
 
 @dataclass(frozen=True)
 class Objective:
-    """The configuration facts of one objective (see the module docstring)."""
+    """The configuration facts of one objective (see the module docstring); naming it in ``OBJECTIVES``
+    registers the objective.
+
+    Args:
+        name (`str`): ``algorithm.name``; ``diffusionrl/training/<name>.py`` holds its class.
+        title (`str`): what it is, with its paper (the model card's line).
+        options (`type`, *optional*, defaults to `None`): the dataclass of its own ``algorithm.*`` keys.
+        rollouts (`str`, *optional*, defaults to ``"sde"``): ``sde`` | ``ode`` | ``data`` (see the module docstring).
+        old_policy (`bool`, *optional*, defaults to `False`): it keeps an fp32 copy of the old policy's LoRA.
+        one_process (`bool`, *optional*, defaults to `False`): the config refuses ``train.world_size > 1``.
+        ranks (`bool`, *optional*, defaults to `False`): it runs with ``train.world_size > 1``.
+        fit (`Callable[[Config], None]`, *optional*, defaults to `None`): cross-section checks, run when it is
+            the objective named; raises ``ConfigError``.
+    """
 
     name: str
     title: str
@@ -86,16 +99,16 @@ class NFTOptions:
 
 
 def _nft_fit(cfg) -> None:
-    ac = cfg.algorithm
-    if ac.nft_timesteps > cfg.sampling.num_steps - 1:
-        raise ConfigError(f"algorithm.nft_timesteps={ac.nft_timesteps} exceeds the rollout's "
+    algo_cfg = cfg.algorithm
+    if algo_cfg.nft_timesteps > cfg.sampling.num_steps - 1:
+        raise ConfigError(f"algorithm.nft_timesteps={algo_cfg.nft_timesteps} exceeds the rollout's "
                           f"{cfg.sampling.num_steps - 1} trainable noise levels (sampling.num_steps - 1); "
                           "use 0 for all of them")
-    if ac.nft_adv_clip > ac.adv_clip_max:
-        lo = 0.5 - ac.adv_clip_max / (2 * ac.nft_adv_clip)
+    if algo_cfg.nft_adv_clip > algo_cfg.adv_clip_max:
+        lo = 0.5 - algo_cfg.adv_clip_max / (2 * algo_cfg.nft_adv_clip)
         raise ConfigError(
-            f"algorithm.nft_adv_clip={ac.nft_adv_clip} exceeds algorithm.adv_clip_max={ac.adv_clip_max}: "
-            f"advantages are already clamped to +-{ac.adv_clip_max}, so DiffusionNFT's r would never leave "
+            f"algorithm.nft_adv_clip={algo_cfg.nft_adv_clip} exceeds algorithm.adv_clip_max={algo_cfg.adv_clip_max}: "
+            f"advantages are already clamped to +-{algo_cfg.adv_clip_max}, so DiffusionNFT's r would never leave "
             f"[{lo:g}, {1 - lo:g}]; set nft_adv_clip <= adv_clip_max (the reference uses 5 for both)"
         )
 
@@ -142,12 +155,12 @@ DPPO = Objective("dppo", "Flow-DPPO (Ping et al. 2026)", DPPOOptions, old_policy
 
 # -- awm: Advantage Weighted Matching (section 14.4) ---------------------------------------------------
 def _awm_fit(cfg) -> None:
-    tc = cfg.train
-    if tc.minibatches != 1 or tc.inner_epochs != 1:
+    train_cfg = cfg.train
+    if train_cfg.minibatches != 1 or train_cfg.inner_epochs != 1:
         raise ConfigError(
-            f"algorithm.name=awm with train.minibatches={tc.minibatches}, train.inner_epochs={tc.inner_epochs}: AWM "
-            "has no ratio or clip: every update after the first would be off-policy; set train.minibatches=1 and "
-            "train.inner_epochs=1"
+            f"algorithm.name=awm with train.minibatches={train_cfg.minibatches}, "
+            f"train.inner_epochs={train_cfg.inner_epochs}: AWM has no ratio or clip: every update after the first "
+            "would be off-policy; set train.minibatches=1 and train.inner_epochs=1"
         )
 
 
@@ -224,34 +237,34 @@ def resolved_kl_space(algorithm) -> str:
 
 def check_objective_fit(cfg) -> None:
     """Checks that tie the named objective to the sampling and train sections (``Config.__post_init__``)."""
-    spec, sc, tc = objective(cfg.algorithm.name), cfg.sampling, cfg.train
+    spec, sampling_cfg, train_cfg = objective(cfg.algorithm.name), cfg.sampling, cfg.train
     name = spec.name
     if spec.fit is not None:
         spec.fit(cfg)
     # Every rewarded objective learns from group advantages (algorithms.advantages; with group_size 1
     # the batch is z-scored instead, docs/algorithms.md section 4): a batch of one sample has none.
-    if spec.rewarded and tc.prompts_per_step * tc.group_size < 2:
+    if spec.rewarded and train_cfg.prompts_per_step * train_cfg.group_size < 2:
         raise ConfigError(
             f"algorithm.name={name} learns from advantages relative to other samples: a step of "
             f"train.prompts_per_step * group_size = 1 sample has none (its advantage is 0), so no step would "
             "update the weights; use train.group_size >= 2"
         )
-    if spec.sde and sc.sde_type == "ode":
+    if spec.sde and sampling_cfg.sde_type == "ode":
         raise ConfigError(
             f"algorithm.name={name} needs stochastic rollouts: set sampling.sde_type to sde, dance or cps "
             "(ode has no log-probs to train on)"
         )
-    if tc.world_size > 1 and (cfg.algorithm.init_lora or spec.one_process):
+    if train_cfg.world_size > 1 and (cfg.algorithm.init_lora or spec.one_process):
         raise ConfigError("algorithm.init_lora and algorithm.name=sft run in one process: set train.world_size=1")
-    if sc.same_latent and not spec.sde:
+    if sampling_cfg.same_latent and not spec.sde:
         raise ConfigError(
             f"sampling.same_latent with algorithm.name={name}: its rollouts are ODE, so a group sharing its initial "
             "latent would be one image repeated (no reward spread); same_latent is for " + ", ".join(SDE_OBJECTIVES)
         )
-    if sc.post_window_ode_steps and not spec.sde:
+    if sampling_cfg.post_window_ode_steps and not spec.sde:
         raise ConfigError(f"sampling.post_window_ode_steps with algorithm.name={name}: its rollouts are all ODE, with "
                           "no SDE window to compress after; it is for " + ", ".join(SDE_OBJECTIVES))
-    if spec.sde and sc.engine == "sglang" and sc.sde_type == "dance":
+    if spec.sde and sampling_cfg.engine == "sglang" and sampling_cfg.sde_type == "dance":
         raise ConfigError(
             "sampling.sde_type=dance is not available with sampling.engine=sglang (the server samples sde or cps); "
             "use sampling.engine=local"

@@ -92,7 +92,26 @@ def get_preset(name: str) -> Config:
 
 def load_config(preset: str | None = None, file: str | Path | None = None,
                 overrides: list[str] | None = None) -> Config:
-    """Preset (default ``tiny-cpu``, or the file's ``preset`` key) + file + dotted overrides."""
+    """The validated config: a preset, a file laid over it, then dotted overrides.
+
+    Args:
+        preset (`str`, *optional*, defaults to `None`): a preset name (``diffusionrl.config.PRESETS``);
+            `None` takes the file's ``preset`` key, else ``tiny-cpu``.
+        file (`str` or `Path`, *optional*, defaults to `None`): a YAML or JSON config file, a partial tree
+            laid over the preset (``configs/*.yaml`` are complete ones).
+        overrides (`list[str]`, *optional*, defaults to `None`): dotted ``key=value`` strings applied last,
+            e.g. ``["train.learning_rate=1e-3", "sampling.num_steps=8"]``.
+
+    Returns:
+        `Config`: the config, every leaf type- and range-checked.
+
+    Raises:
+        `ConfigError`: in one line naming the key (an unknown key with the closest known one).
+
+    Example::
+
+        cfg = load_config("tiny-cpu-shapes", overrides=["train.steps=10"])
+    """
     file_data = read_config_file(file) if file else {}
     name = preset or file_data.get("preset") or "tiny-cpu"
     data = get_preset(name).to_dict()

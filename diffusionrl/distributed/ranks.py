@@ -49,20 +49,20 @@ class RankGroup:
 
         check_inputs(cfg, model_path)  # here, in one line, not as a traceback from every rank's actor
         self.cfg = cfg
-        tc = cfg.train
-        raycluster.ensure_ray(max(2, tc.world_size * tc.cpus_per_bundle + cfg.reward.num_actors))
-        self.placement = build_placement(tc)
+        train_cfg = cfg.train
+        raycluster.ensure_ray(max(2, train_cfg.world_size * train_cfg.cpus_per_bundle + cfg.reward.num_actors))
+        self.placement = build_placement(train_cfg)
         addr, port = node_address_and_port()
         cls = ray.remote(TrainerRank)
         self.ranks = [
-            cls.options(**self.placement.trainer_options(r, tc)).remote(
-                cfg.to_dict(), r, tc.world_size, addr, port, r < tc.rollout_engines, model_path, threads_per_rank,
-                engine_factory,
+            cls.options(**self.placement.trainer_options(r, train_cfg)).remote(
+                cfg.to_dict(), r, train_cfg.world_size, addr, port, r < train_cfg.rollout_engines, model_path,
+                threads_per_rank, engine_factory,
             )
-            for r in range(tc.world_size)
+            for r in range(train_cfg.world_size)
         ]
         # The group holds their resources: what is left to wait for is each rank loading its model.
-        loading = raycluster.Admission(f"{tc.world_size} trainer ranks",
+        loading = raycluster.Admission(f"{train_cfg.world_size} trainer ranks",
                                        raycluster.seconds(raycluster.START_TIMEOUT_ENV))
         try:
             self.infos = raycluster.started([rank.info.remote() for rank in self.ranks], loading)
@@ -84,8 +84,9 @@ class RankGroup:
 
     # -- one step ----------------------------------------------------------------------------------
     def generate(self, prompts, group_ids, seeds, spec, mask, metadata):
-        tc = self.cfg.train
-        shares = assign_blocks(len(prompts), tc.group_size, tc.micro_batch_size, tc.rollout_engines)
+        train_cfg = self.cfg.train
+        shares = assign_blocks(len(prompts), train_cfg.group_size, train_cfg.micro_batch_size,
+                               train_cfg.rollout_engines)
         refs = [
             self.ranks[e].rollout.remote(prompts[sl], group_ids[sl], seeds[sl], spec,
                                          None if mask is None else mask[sl], metadata[sl])
@@ -94,9 +95,9 @@ class RankGroup:
         return cat_trajectories(raycluster.get(refs, "rollout on the engine ranks"))
 
     def train_step(self, traj, active: torch.Tensor, step: int) -> dict[str, float]:
-        tc = self.cfg.train
-        plan = grpo_plan(traj, active, tc, step)
-        shares = assign_blocks(traj.batch_size, tc.group_size, tc.micro_batch_size, tc.world_size)
+        train_cfg = self.cfg.train
+        plan = grpo_plan(traj, active, train_cfg, step)
+        shares = assign_blocks(traj.batch_size, train_cfg.group_size, train_cfg.micro_batch_size, train_cfg.world_size)
         m = traj.micro_batch_size
         refs = [
             rank.train_step.remote(select_samples(traj, sl), active[sl], plan, sl.start // m, step)

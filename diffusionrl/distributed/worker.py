@@ -175,8 +175,8 @@ class TrainerRank:
     # -- rollout ----------------------------------------------------------------------------------
     def rollout(self, prompts, group_ids, seeds, spec, mask, metadata):
         """This engine's share of a step (the engine sees the same micro-batches as training)."""
-        tc = self.cfg.train
-        if tc.offload_optimizer:
+        train_cfg = self.cfg.train
+        if train_cfg.offload_optimizer:
             offload_optimizer_state(self.trainer.optimizer, "cpu")
         self._engine_memory("resume")
         traj = self.engine.generate(prompts, group_ids, seeds, spec, mask, metadata)

@@ -89,7 +89,19 @@ def module_digest(modules: dict[str, torch.nn.Module]) -> str:
 
 
 class FlowAdapter(LoraTargets):
-    """A diffusers flow-matching text-to-image pipeline behind the interface the library uses."""
+    """A diffusers flow-matching text-to-image pipeline behind the interface the library uses.
+
+    Built by ``models.load_adapter(cfg.model)``, which picks the family; a family subclasses it (see
+    the module docstring). The methods the rest of the library calls: ``encode_prompts``, ``velocity``,
+    ``decode``, ``latent_shape`` / ``sample_shape``, ``sigmas`` and ``digest``.
+
+    Args:
+        pipe (`diffusers.DiffusionPipeline`): the family's pipeline (``pipeline_class``); its
+            ``components`` are frozen and put in eval mode.
+        device (`torch.device` or `str`, *optional*, defaults to ``"cpu"``): where the pipeline runs.
+        autocast_dtype (`torch.dtype`, *optional*, defaults to `None`): the autocast dtype of the
+            transformer's forward (``train.mixed_precision``); `None` runs it in its own dtype.
+    """
 
     family = ""  # short name (logs, bench/families.py)
     pipeline_class = ""  # diffusers pipeline class name, as in model_index.json's _class_name
@@ -214,7 +226,16 @@ class FlowAdapter(LoraTargets):
         self, prompts: list[str], negative_prompt: str | None, max_sequence_length: int
     ) -> Conditioning:
         """Embeddings for each prompt (each distinct prompt encoded once) and, if
-        ``negative_prompt`` is not None, the negative prompt's, expanded to the batch."""
+        ``negative_prompt`` is not None, the negative prompt's, expanded to the batch.
+
+        Args:
+            prompts (`list[str]`): one prompt per sample.
+            negative_prompt (`str` or `None`): the negative prompt for CFG; `None` encodes none.
+            max_sequence_length (`int`): the text encoder's token limit (``model.max_sequence_length``).
+
+        Returns:
+            `Conditioning`: ``[B, ...]`` embeddings on the adapter's device.
+        """
         position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
         unique = list(position)
         index = torch.tensor([position[p] for p in prompts], device=self.device)
@@ -318,7 +339,22 @@ class FlowAdapter(LoraTargets):
         ``cfg_mode`` says, mixed ``v_neg + g (v_pos - v_neg)`` in the forward's output layout (then
         rescaled where ``cfg_norm_rescale``), and ``_unpack`` to the latents' layout. ``g`` is the
         scale of this call's timestep (``step_guidance``: a two-expert model's low-noise steps take
-        ``guidance_scale_2``); whether there is a CFG pass is ``guidance_scale``'s, as in ``WanPipeline``."""
+        ``guidance_scale_2``); whether there is a CFG pass is ``guidance_scale``'s, as in ``WanPipeline``.
+
+        Args:
+            transformer (`torch.nn.Module`): the transformer to run (the LoRA policy, the reference or an
+                engine's copy).
+            latents (`torch.Tensor`): spatial latents ``[B, C, H, W]`` (video ``[B, C, F', H, W]``).
+            timestep (`torch.Tensor`): ``sigma * num_train_timesteps``, a scalar or ``[B]``.
+            cond (`Conditioning`): from ``encode_prompts`` (with negative embeddings where CFG runs).
+            guidance_scale (`float`): the CFG scale; one with no CFG pass (``needs_negative`` false) runs
+                the positive side alone.
+            guidance_scale_2 (`float`, *optional*, defaults to `None`): a two-expert model's scale for its
+                low-noise steps; `None` uses ``guidance_scale``.
+
+        Returns:
+            `torch.Tensor`: float32 velocities shaped like ``latents``.
+        """
         cfg = self.needs_negative(guidance_scale)
         if cfg and cond.negative_prompt_embeds is None:
             raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
@@ -391,7 +427,14 @@ class FlowAdapter(LoraTargets):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Clean latents ``[B, C, H, W]`` -> uint8 images ``[B, H*f, W*f, 3]``."""
+        """Clean latents to pictures.
+
+        Args:
+            latents (`torch.Tensor`): clean spatial latents ``[B, C, H, W]``.
+
+        Returns:
+            `np.ndarray`: uint8 RGB images ``[B, H*f, W*f, 3]`` (``f`` the VAE's scale factor).
+        """
         vae = self.pipe.vae
         z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         image = vae.decode(z, return_dict=False)[0].float()

@@ -65,6 +65,17 @@ class Reward:
         """
 
     def __call__(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> RewardResult:
+        """Score a batch; one sample that cannot be scored gets 0 and is counted, it never raises.
+
+        Args:
+            images (`np.ndarray`): uint8 RGB ``[B, H, W, 3]`` (videos ``[B, F, H, W, 3]`` for a reward with
+                ``video = True``).
+            prompts (`list[str]`): the B prompts the images were made for.
+            metadata (`list[dict]`): the B prompt rows' other fields (an OCR target, a shapes scene).
+
+        Returns:
+            `RewardResult`: ``scores`` ``[B]`` float32, ``failures``, batch ``info`` and ``per_sample`` values.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not define __call__")
 
     def close(self) -> None:

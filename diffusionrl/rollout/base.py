@@ -78,8 +78,23 @@ class RolloutEngine(Protocol):
         sde_mask: np.ndarray | torch.Tensor | None = None,
         metadata: list[dict] | None = None,
     ) -> Trajectory:
-        """Sample one trajectory per prompt: sample i from ``seeds[i]``, SDE steps ``sde_mask[i]``
-        (``[B, T]``; a ``[T]`` mask holds for all; ``None``: every step but the last)."""
+        """Sample one trajectory per prompt with the weights of the last ``update_weights``.
+
+        Args:
+            prompts (`list[str]`): B prompts.
+            group_ids (`list[int]` or `torch.Tensor`): ``[B]``, the GRPO group of each sample.
+            seeds (`list[int]` or `torch.Tensor`): ``[B]``, sample i's noise comes from ``seeds[i]``.
+            spec (`SamplingSpec`): steps, resolution, guidance, SDE type and noise level, what to keep.
+            sde_mask (`np.ndarray` or `torch.Tensor`, *optional*, defaults to `None`): the stochastic steps,
+                ``[B, T]`` or ``[T]`` for all samples; `None`: every step but the last.
+            metadata (`list[dict]`, *optional*, defaults to `None`): the B prompt rows' fields (an editing
+                row's input ``image``).
+
+        Returns:
+            `Trajectory`: latents ``[B, T+1, ...]`` (noise to clean), per-step log-probs ``[B, T]`` (0 at
+            deterministic steps), the schedule, the SDE mask, the conditioning, seeds and group ids, and the
+            decoded images when ``spec.keep_images``.
+        """
         ...
 
     def update_weights(self, lora_state: dict[str, torch.Tensor], version: int) -> None:

@@ -92,10 +92,10 @@ class LocalRolloutEngine:
         for start in tqdm(chunks, desc="rollout", disable=not self.progress, leave=False):
             sl = slice(start, start + micro)
             mask = batch.sde_mask[sl]
-            lat, lp = self._sample_chunk(cond.select(sl), batch.seeds[sl], mask, sigmas, timesteps, spec,
-                                         latent_seeds[sl])
+            lat, chunk_log_probs = self._sample_chunk(cond.select(sl), batch.seeds[sl], mask, sigmas, timesteps,
+                                                      spec, latent_seeds[sl])
             latents.append(lat)
-            log_probs.append(lp)
+            log_probs.append(chunk_log_probs)
             if spec.keep_images:
                 images.append(self.adapter.decode(lat[:, -1]))
         return batch.trajectory(
@@ -135,7 +135,7 @@ class LocalRolloutEngine:
         x = noise[:, 0]  # [m, *sample_shape] float32
         if latent_seeds is not None and not torch.equal(latent_seeds, seeds):
             x = torch.stack([draw(s)[0] for s in latent_seeds]).to(device)
-        states, lps = [x.cpu()], []
+        states, step_log_probs = [x.cpu()], []
         mask_dev = mask.to(device)
         hist: tuple = (None, None, None)  # dpm2m: the previous step's x0, sigma, and [m] "it was an ODE step"
         for i in range(len(timesteps)):
@@ -151,21 +151,21 @@ class LocalRolloutEngine:
             else:  # per-sample step sets: Euler where this step is not stochastic
                 ode = x + v * (sigmas[i + 1] - sigmas[i])
             if not stochastic:
-                x_next, lp = ode, torch.zeros(x.shape[0], device=device)
+                x_next, step_log_prob = ode, torch.zeros(x.shape[0], device=device)
             else:
                 out = step_with_logprob(
                     v, x, sigmas[i], sigmas[i + 1], sde_type=spec.sde_type, noise_level=spec.noise_level,
                     sigma_max=sigmas[1], noise=eps,
                 )
                 if bool(mask[:, i].all()):
-                    x_next, lp = out.x_next, out.log_prob
+                    x_next, step_log_prob = out.x_next, out.log_prob
                 else:
                     x_next = torch.where(m.view(-1, *[1] * (x.ndim - 1)), out.x_next, ode)
-                    lp = torch.where(m, out.log_prob, torch.zeros_like(out.log_prob))
+                    step_log_prob = torch.where(m, out.log_prob, torch.zeros_like(out.log_prob))
             x = x_next
             states.append(x.cpu())
-            lps.append(lp.cpu())
-        return torch.stack(states, dim=1), torch.stack(lps, dim=1)
+            step_log_probs.append(step_log_prob.cpu())
+        return torch.stack(states, dim=1), torch.stack(step_log_probs, dim=1)
 
     def _ode_step(self, x, v, sigmas, timesteps, i, cond, spec) -> torch.Tensor:
         dt = sigmas[i + 1] - sigmas[i]

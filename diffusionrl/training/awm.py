@@ -28,17 +28,17 @@ class AWMObjective(RenoisedUnits):
 
     def _make(self, traj: Trajectory, sl: slice, slot: int, mask: torch.Tensor, plan: TimestepPlan):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            ac = self.cfg.algorithm
+            algo_cfg = self.cfg.algorithm
             device = self.adapter.device
             x0, eps, t, x_t = self.noised(traj, sl, slot, plan)
             cond = traj.conditioning.select(sl).to(device)
             timestep = t * self.num_train_timesteps
             v = self.adapter.velocity(self.policy.model, x_t, timestep, cond, *traj.guidance)
             v_ref = None
-            if ac.kl_beta > 0:
+            if algo_cfg.kl_beta > 0:
                 with torch.no_grad(), self.policy.reference():
                     v_ref = self.adapter.velocity(self.policy.model, x_t, timestep, cond, *traj.guidance)
-            terms = awm_terms(v, x0, eps, traj.advantages[sl].to(device), kl_beta=ac.kl_beta, v_ref=v_ref)
+            terms = awm_terms(v, x0, eps, traj.advantages[sl].to(device), kl_beta=algo_cfg.kl_beta, v_ref=v_ref)
             m = mask.to(device).float()
             with torch.no_grad():  # sums over the active samples; the trainer divides by the counts
                 stats = {

@@ -104,18 +104,18 @@ class ImageBackend:
         seq = np.random.SeedSequence([cfg.train.seed, step])
         sample_seeds, group_seeds = seq.spawn(2)
         seeds = torch.as_tensor(sample_seeds.generate_state(groups * k, dtype=np.uint32).astype(np.int64))
-        sc = cfg.sampling
+        sampling_cfg = cfg.sampling
         mask = sde_step_mask(
-            sc.step_strategy,
-            sc.num_steps,
+            sampling_cfg.step_strategy,
+            sampling_cfg.num_steps,
             group_seeds.generate_state(groups, dtype=np.uint32),
-            num_sde_steps=sc.num_sde_steps,
-            window_range=sc.window_range,
-            candidate_steps=sc.candidate_steps,
+            num_sde_steps=sampling_cfg.num_sde_steps,
+            window_range=sampling_cfg.window_range,
+            candidate_steps=sampling_cfg.candidate_steps,
             epoch=step,
             seed=cfg.train.seed,
-            shift_interval=sc.window_shift_interval,
-            stride=sc.window_stride,
+            shift_interval=sampling_cfg.window_shift_interval,
+            stride=sampling_cfg.window_stride,
         )
         return prompts, group_ids, seeds, np.repeat(mask, k, axis=0), metadata
 
@@ -125,9 +125,9 @@ class ImageBackend:
 
     def score(self, traj: Trajectory) -> tuple[Trajectory, torch.Tensor, dict[str, float]]:
         total, parts = self.scorer(traj.images, traj.prompts, traj.metadata or [{}] * traj.batch_size)
-        ac = self.cfg.algorithm
+        algo_cfg = self.cfg.algorithm
         rewards = torch.as_tensor(total, dtype=torch.float32)
-        adv = group_advantages(rewards, traj.group_ids, global_std=ac.global_std, clip_max=ac.adv_clip_max)
+        adv = group_advantages(rewards, traj.group_ids, global_std=algo_cfg.global_std, clip_max=algo_cfg.adv_clip_max)
         components = {n: torch.as_tensor(r.scores, dtype=torch.float32) for n, r in parts.items()}
         traj = traj.with_rewards(rewards, components, adv.advantages)
         metrics = reward_metrics(total, parts)

@@ -111,14 +111,14 @@ class DPOObjective:
 
     def train_step(self, trainer: Trainer, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
         """Inner epochs x minibatches optimizer steps over the step's pairs (chunk order shuffled per epoch)."""
-        tc = self.cfg.train
+        train_cfg = self.cfg.train
         pairs = self.pairs(traj, active)
         chunks = self.chunks(pairs, traj.micro_batch_size)
-        rng = np.random.default_rng([_ORDER_STREAM, tc.seed, step])
+        rng = np.random.default_rng([_ORDER_STREAM, train_cfg.seed, step])
         stats = UpdateStats()
-        for epoch in range(tc.inner_epochs):
+        for epoch in range(train_cfg.inner_epochs):
             order = [chunks[i] for i in rng.permutation(len(chunks))] if chunks else []
-            for part in np.array_split(np.arange(len(order)), tc.minibatches):
+            for part in np.array_split(np.arange(len(order)), train_cfg.minibatches):
                 if len(part):
                     trainer.apply(self.units(traj, [order[i] for i in part], step, epoch), stats)
         metrics = stats.means()

@@ -20,14 +20,15 @@ class DPPOObjective(FlowGRPOObjective):
     name = "dppo"
     needs_old = True
 
-    def pair_terms(self, ev: StepEval, log_prob_old: torch.Tensor, advantages: torch.Tensor) -> PairTerms:
-        ac = self.cfg.algorithm
+    def pair_terms(self, step_eval: StepEval, log_prob_old: torch.Tensor, advantages: torch.Tensor) -> PairTerms:
+        algo_cfg = self.cfg.algorithm
         divergence = trust_region_divergence(
-            ac.dppo_kl_space, mean_new=ev.out.mean, mean_old=ev.mean_old, step_std=ev.out.step_std,
-            v_new=ev.v, v_old=ev.v_old,
+            algo_cfg.dppo_kl_space, mean_new=step_eval.out.mean, mean_old=step_eval.mean_old,
+            step_std=step_eval.out.step_std, v_new=step_eval.v, v_old=step_eval.v_old,
         )
-        terms = dppo_terms(ev.out.log_prob, log_prob_old, advantages, divergence=divergence,
-                           threshold=ac.dppo_kl_threshold, kl_beta=ac.kl_beta, kl=self.reference_kl(ev))
+        terms = dppo_terms(step_eval.out.log_prob, log_prob_old, advantages, divergence=divergence,
+                           threshold=algo_cfg.dppo_kl_threshold, kl_beta=algo_cfg.kl_beta,
+                           kl=self.reference_kl(step_eval))
         ratio = terms.ratio.detach()
         extra = {"clipfrac": terms.masked.float(), "dppo_kl": terms.divergence, "ratio_abs_minus_1": (ratio - 1).abs()}
         return PairTerms(terms.loss, terms.policy_loss, terms.kl, extra)

@@ -89,7 +89,7 @@ class FlowGRPOObjective:
 
     def evaluate(self, traj: Trajectory, sl: slice, j: int) -> StepEval:
         """The live forward of step ``j`` of micro-batch ``sl`` (and the reference / old ones)."""
-        ac = self.cfg.algorithm
+        algo_cfg = self.cfg.algorithm
         device = self.adapter.device
         x = traj.latents[sl, j].to(device)
         cond = traj.conditioning.select(sl).to(device)
@@ -110,35 +110,36 @@ class FlowGRPOObjective:
         if self.needs_old and v_old is None:  # the live policy is the rollout policy
             v_old, mean_old = v.detach(), out.mean.detach()
         v_ref = mean_ref = None
-        if ac.kl_beta > 0:
+        if algo_cfg.kl_beta > 0:
             with torch.no_grad(), self.policy.reference():
                 v_ref = velocity()
                 mean_ref = step_with_logprob(v_ref, x, sig, sig_next, **step_kw).mean
         dt = torch.full((x.shape[0],), float(sig_next - sig), device=device)
         return StepEval(out, v, dt, v_ref, mean_ref, v_old, mean_old)
 
-    def reference_kl(self, ev: StepEval) -> torch.Tensor | None:
+    def reference_kl(self, step_eval: StepEval) -> torch.Tensor | None:
         """The KL term to the reference in ``algorithm.kl_space`` (None without a reference)."""
-        if ev.v_ref is None:
+        if step_eval.v_ref is None:
             return None
         if self.kl_space == "v":
-            return velocity_kl(ev.v, ev.v_ref)
-        return gaussian_kl(ev.out.mean, ev.mean_ref, ev.out.std)  # section 5's term (std without sqrt(-dt))
+            return velocity_kl(step_eval.v, step_eval.v_ref)
+        # section 5's term (std without sqrt(-dt))
+        return gaussian_kl(step_eval.out.mean, step_eval.mean_ref, step_eval.out.std)
 
-    def pair_terms(self, ev: StepEval, log_prob_old: torch.Tensor, advantages: torch.Tensor) -> PairTerms:
-        ac = self.cfg.algorithm
-        terms = flow_grpo_terms(ev.out.log_prob, log_prob_old, advantages, clip_range=ac.clip_range,
-                                kl_beta=ac.kl_beta, kl=self.reference_kl(ev))
+    def pair_terms(self, step_eval: StepEval, log_prob_old: torch.Tensor, advantages: torch.Tensor) -> PairTerms:
+        algo_cfg = self.cfg.algorithm
+        terms = flow_grpo_terms(step_eval.out.log_prob, log_prob_old, advantages, clip_range=algo_cfg.clip_range,
+                                kl_beta=algo_cfg.kl_beta, kl=self.reference_kl(step_eval))
         return PairTerms(terms.loss, terms.policy_loss, terms.kl)
 
     def _make(self, traj: Trajectory, sl: slice, j: int, mask: torch.Tensor, diff_probe: dict | None):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             device = self.adapter.device
-            ev = self.evaluate(traj, sl, j)
+            step_eval = self.evaluate(traj, sl, j)
             old = traj.log_probs[sl, j].to(device)
-            terms = self.pair_terms(ev, old, traj.advantages[sl].to(device))
+            terms = self.pair_terms(step_eval, old, traj.advantages[sl].to(device))
             m = mask.to(device).float()
-            new_m, old_m = ev.out.log_prob.detach()[m > 0], old[m > 0]
+            new_m, old_m = step_eval.out.log_prob.detach()[m > 0], old[m > 0]
             # Sums over the unit's active pairs; UpdateStats divides by the total count once.
             stats = ratio_stats(new_m, old_m, self.cfg.algorithm.clip_range)
             stats.update({k: (value.detach() * m).sum() for k, value in terms.extra.items()})
@@ -173,14 +174,14 @@ class FlowGRPOObjective:
         (composition kept); ``train/log_prob_mean_abs_diff`` is measured on every pair scored
         before the first optimizer step, when the policy still equals the rollout policy.
         """
-        tc = self.cfg.train
-        rng = np.random.default_rng([tc.seed, step, 0x5EED])
+        train_cfg = self.cfg.train
+        rng = np.random.default_rng([train_cfg.seed, step, 0x5EED])
         stats = UpdateStats()
         probe = {"open": True}
         rollout_state = self.policy.lora_state() if self.needs_old else None
         self.old_state = None
         try:
-            for _epoch, selected in minibatch_schedule(traj, tc, rng):
+            for _epoch, selected in minibatch_schedule(traj, train_cfg, rng):
                 if trainer.apply(self.units(traj, selected, active, rng, probe), stats) and self.needs_old:
                     self.old_state = rollout_state  # the live policy has left the rollout policy
                 probe["open"] = False

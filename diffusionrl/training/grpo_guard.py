@@ -19,16 +19,17 @@ class GRPOGuardObjective(FlowGRPOObjective):
     name = "grpo_guard"
     needs_old = True
 
-    def pair_terms(self, ev: StepEval, log_prob_old: torch.Tensor, advantages: torch.Tensor) -> PairTerms:
-        ac = self.cfg.algorithm
+    def pair_terms(self, step_eval: StepEval, log_prob_old: torch.Tensor, advantages: torch.Tensor) -> PairTerms:
+        algo_cfg = self.cfg.algorithm
         terms = grpo_guard_terms(
-            ev.out.log_prob, log_prob_old, advantages, mean_new=ev.out.mean, mean_old=ev.mean_old,
-            step_std=ev.out.step_std, dt=ev.dt, clip_range=ac.clip_range, ratio_norm=ac.guard_ratio_norm,
-            reweight=ac.guard_reweight, kl_beta=ac.kl_beta, kl=self.reference_kl(ev),
+            step_eval.out.log_prob, log_prob_old, advantages, mean_new=step_eval.out.mean, mean_old=step_eval.mean_old,
+            step_std=step_eval.out.step_std, dt=step_eval.dt, clip_range=algo_cfg.clip_range,
+            ratio_norm=algo_cfg.guard_ratio_norm, reweight=algo_cfg.guard_reweight, kl_beta=algo_cfg.kl_beta,
+            kl=self.reference_kl(step_eval),
         )
         ratio = terms.ratio.detach()
         extra = {
-            "clipfrac": ((ratio - 1.0).abs() > ac.clip_range).float(),  # of the ratio that is clipped
+            "clipfrac": ((ratio - 1.0).abs() > algo_cfg.clip_range).float(),  # of the ratio that is clipped
             "ratio_abs_minus_1": (ratio - 1.0).abs(),
             "guard_ratio_mean": ratio,
             "guard_bias": terms.bias,

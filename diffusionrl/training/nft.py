@@ -138,11 +138,11 @@ class RenoisedUnits:
         Each inner epoch draws fresh timesteps and noises; the micro-batch order is shuffled
         (composition kept).
         """
-        tc = self.cfg.train
-        rng = np.random.default_rng([self.order_stream, tc.seed, step])
+        train_cfg = self.cfg.train
+        rng = np.random.default_rng([self.order_stream, train_cfg.seed, step])
         stats = UpdateStats()
         plan = None
-        for epoch, selected in minibatch_schedule(traj, tc, rng):
+        for epoch, selected in minibatch_schedule(traj, train_cfg, rng):
             if plan is None or plan.epoch != epoch:
                 plan = self.plan(traj, step, epoch)
             trainer.apply(self.units(traj, selected, active, plan), stats)
@@ -199,8 +199,8 @@ class NFTObjective(RenoisedUnits):
         ``eta = min(rate * max(steps_done - flat, 0), cap)``: ``steps_done`` counts completed
         steps (1 after the first), as the reference counts optimizer steps with one per rollout.
         """
-        ac = self.cfg.algorithm
-        eta = old_policy_eta(steps_done, ac.old_policy_rate, ac.old_policy_flat, ac.old_policy_cap)
+        algo_cfg = self.cfg.algorithm
+        eta = old_policy_eta(steps_done, algo_cfg.old_policy_rate, algo_cfg.old_policy_flat, algo_cfg.old_policy_cap)
         self.old.update(self.policy.params, decay=eta)
         return eta
 
@@ -217,7 +217,7 @@ class NFTObjective(RenoisedUnits):
     # -- work units: plan, units and noised come from RenoisedUnits ------------------------------------
     def _make(self, traj: Trajectory, sl: slice, slot: int, mask: torch.Tensor, plan: TimestepPlan):
         def compute() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            ac = self.cfg.algorithm
+            algo_cfg = self.cfg.algorithm
             device = self.adapter.device
             model, g = self.policy.model, traj.guidance
             x0, eps, t, x_t = self.noised(traj, sl, slot, plan)
@@ -227,12 +227,12 @@ class NFTObjective(RenoisedUnits):
                 v_old = self.adapter.velocity(model, x_t, timestep, cond, *g)
             v = self.adapter.velocity(model, x_t, timestep, cond, *g)
             v_ref = None
-            if ac.kl_beta > 0:
+            if algo_cfg.kl_beta > 0:
                 with torch.no_grad(), self.policy.reference():
                     v_ref = self.adapter.velocity(model, x_t, timestep, cond, *g)
             terms = nft_terms(
                 v, v_old, x0, x_t, t, traj.advantages[sl].to(device),
-                beta=ac.nft_beta, adv_clip=ac.nft_adv_clip, kl_beta=ac.kl_beta, v_ref=v_ref,
+                beta=algo_cfg.nft_beta, adv_clip=algo_cfg.nft_adv_clip, kl_beta=algo_cfg.kl_beta, v_ref=v_ref,
             )
             m = mask.to(device).float()
             with torch.no_grad():  # sums over the active samples; the trainer divides by the counts

@@ -106,12 +106,12 @@ class SFTObjective:
 
     def train_step(self, trainer: Trainer, batch: SFTBatch, step: int) -> dict[str, float]:
         """Inner epochs x minibatches optimizer steps; the micro-batch order shuffled per epoch."""
-        tc = self.cfg.train
-        rng = np.random.default_rng([_ORDER_STREAM, tc.seed, step])
+        train_cfg = self.cfg.train
+        rng = np.random.default_rng([_ORDER_STREAM, train_cfg.seed, step])
         chunks = batch.micro_batches()
-        per = max(1, len(chunks) // tc.minibatches)
+        per = max(1, len(chunks) // train_cfg.minibatches)
         stats = UpdateStats()
-        for epoch in range(tc.inner_epochs):
+        for epoch in range(train_cfg.inner_epochs):
             order = [chunks[i] for i in rng.permutation(len(chunks))]
             for k in range(0, len(order), per):
                 trainer.apply(self.units(batch, order[k : k + per], step, epoch), stats)
@@ -141,8 +141,8 @@ class SFTBackend:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.worker = worker
-        tc = cfg.train
-        self.sampler = PromptSampler(rows, tc.prompts_per_step * tc.group_size, tc.seed)
+        train_cfg = cfg.train
+        self.sampler = PromptSampler(rows, train_cfg.prompts_per_step * train_cfg.group_size, train_cfg.seed)
         self.cursor = 0
 
     @staticmethod

@@ -58,18 +58,18 @@ class Trainer:
     def __init__(self, cfg, policy: LoraPolicy):
         self.cfg = cfg
         self.policy = policy
-        tc = cfg.train
+        train_cfg = cfg.train
         self.optimizer = torch.optim.AdamW(
             policy.parameters(),
-            lr=tc.learning_rate,
-            betas=(tc.adam_beta1, tc.adam_beta2),
-            weight_decay=tc.weight_decay,
+            lr=train_cfg.learning_rate,
+            betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
+            weight_decay=train_cfg.weight_decay,
             eps=1e-8,
         )
         device_type = policy.adapter.device.type
-        self.scaler = torch.amp.GradScaler(device_type, enabled=tc.mixed_precision == "fp16")
-        self.ema = EMA(policy.lora_state(), tc.ema_decay) if tc.ema else None
-        self.schedule = lr_schedule(self.optimizer, tc)
+        self.scaler = torch.amp.GradScaler(device_type, enabled=train_cfg.mixed_precision == "fp16")
+        self.ema = EMA(policy.lora_state(), train_cfg.ema_decay) if train_cfg.ema else None
+        self.schedule = lr_schedule(self.optimizer, train_cfg)
 
     def begin_step(self, step: int) -> None:
         """Set the learning rate of run step ``step`` (0-based, ``train.lr_schedule``): the schedule's
@@ -140,17 +140,18 @@ class Trainer:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, tc) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_schedule(optimizer: torch.optim.Optimizer, train_cfg) -> torch.optim.lr_scheduler.LambdaLR:
     """transformers' schedule for ``train.lr_schedule`` over ``train.steps`` (constant, with or without
     warm-up; cosine to ``lr_min_ratio``). Only its per-step factors are used (``Trainer.begin_step``):
     it is never stepped, so it holds no state a checkpoint must carry."""
     from transformers import get_scheduler
 
-    if tc.lr_schedule == "cosine":
-        return get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=tc.lr_warmup_steps,
-                             num_training_steps=tc.steps, scheduler_specific_kwargs={"min_lr_rate": tc.lr_min_ratio})
-    name = "constant_with_warmup" if tc.lr_warmup_steps else "constant"
-    return get_scheduler(name, optimizer, num_warmup_steps=tc.lr_warmup_steps or None)
+    if train_cfg.lr_schedule == "cosine":
+        return get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=train_cfg.lr_warmup_steps,
+                             num_training_steps=train_cfg.steps,
+                             scheduler_specific_kwargs={"min_lr_rate": train_cfg.lr_min_ratio})
+    name = "constant_with_warmup" if train_cfg.lr_warmup_steps else "constant"
+    return get_scheduler(name, optimizer, num_warmup_steps=train_cfg.lr_warmup_steps or None)
 
 
 def minibatch_schedule(traj: Trajectory, train_cfg, rng: np.random.Generator) -> Iterator[tuple[int, list[slice]]]:

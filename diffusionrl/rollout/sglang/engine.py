@@ -116,22 +116,22 @@ class SGLangRolloutEngine:
 
     @classmethod
     def from_config(cls, cfg, adapter, policy) -> SGLangRolloutEngine:
-        sc = cfg.sampling
+        sampling_cfg = cfg.sampling
         return cls(
             adapter,
             policy.model,
             micro_batch_size=cfg.train.micro_batch_size,
-            python=sc.sglang_python,
-            port=sc.sglang_port,
-            verify_weights=sc.sglang_verify_weights,
-            ipc_bucket_mb=sc.sglang_ipc_bucket_mb,
-            start_timeout_s=sc.sglang_start_timeout_s,
-            max_restarts=sc.sglang_max_restarts,
-            outputs_per_request=sc.sglang_outputs_per_request,
+            python=sampling_cfg.sglang_python,
+            port=sampling_cfg.sglang_port,
+            verify_weights=sampling_cfg.sglang_verify_weights,
+            ipc_bucket_mb=sampling_cfg.sglang_ipc_bucket_mb,
+            start_timeout_s=sampling_cfg.sglang_start_timeout_s,
+            max_restarts=sampling_cfg.sglang_max_restarts,
+            outputs_per_request=sampling_cfg.sglang_outputs_per_request,
             model_path=model_folder(cfg.model.name, adapter),
             builtin=cfg.model.name if cfg.model.name.startswith("builtin:") else "",
             dtype=cfg.model.dtype,
-            guidance_scale=sc.guidance_scale,
+            guidance_scale=sampling_cfg.guidance_scale,
             t5_tokens=cfg.model.max_sequence_length,
         )
 
