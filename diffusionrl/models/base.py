@@ -89,18 +89,12 @@ def module_digest(modules: dict[str, torch.nn.Module]) -> str:
 
 
 class FlowAdapter(LoraTargets):
-    """A diffusers flow-matching text-to-image pipeline behind the interface the library uses.
-
-    Built by ``models.load_adapter(cfg.model)``, which picks the family; a family subclasses it (see
-    the module docstring). The methods the rest of the library calls: ``encode_prompts``, ``velocity``,
-    ``decode``, ``latent_shape`` / ``sample_shape``, ``sigmas`` and ``digest``.
+    """A diffusers flow-matching pipeline behind the library's interface; ``models.load_adapter`` picks the family.
 
     Args:
-        pipe (`diffusers.DiffusionPipeline`): the family's pipeline (``pipeline_class``); its
-            ``components`` are frozen and put in eval mode.
+        pipe (`diffusers.DiffusionPipeline`): the family's pipeline; its ``components`` are frozen.
         device (`torch.device` or `str`, *optional*, defaults to ``"cpu"``): where the pipeline runs.
-        autocast_dtype (`torch.dtype`, *optional*, defaults to `None`): the autocast dtype of the
-            transformer's forward (``train.mixed_precision``); `None` runs it in its own dtype.
+        autocast_dtype (`torch.dtype`, *optional*, defaults to `None`): the forward's autocast dtype (`None`: none).
     """
 
     family = ""  # short name (logs, bench/families.py)
@@ -232,10 +226,8 @@ class FlowAdapter(LoraTargets):
             prompts (`list[str]`): one prompt per sample.
             negative_prompt (`str` or `None`): the negative prompt for CFG; `None` encodes none.
             max_sequence_length (`int`): the text encoder's token limit (``model.max_sequence_length``).
-
         Returns:
-            `Conditioning`: ``[B, ...]`` embeddings on the adapter's device.
-        """
+            `Conditioning`: ``[B, ...]`` embeddings on the adapter's device."""
         position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
         unique = list(position)
         index = torch.tensor([position[p] for p in prompts], device=self.device)
@@ -331,30 +323,22 @@ class FlowAdapter(LoraTargets):
         guidance_scale: float,
         guidance_scale_2: float | None = None,
     ) -> torch.Tensor:
-        """The velocity ``[B, C, H, W]`` float32 of spatial ``latents`` at scheduler ``timestep``
-        (``sigma * num_train_timesteps``; a scalar or one per sample), computed with ``transformer``.
-
-        The one template of every family: the latents in the forward dtype, the timestep as float32
-        ``[B]``, the family's ``_forward`` under autocast, and where ``needs_negative`` a CFG pass as
-        ``cfg_mode`` says, mixed ``v_neg + g (v_pos - v_neg)`` in the forward's output layout (then
-        rescaled where ``cfg_norm_rescale``), and ``_unpack`` to the latents' layout. ``g`` is the
-        scale of this call's timestep (``step_guidance``: a two-expert model's low-noise steps take
-        ``guidance_scale_2``); whether there is a CFG pass is ``guidance_scale``'s, as in ``WanPipeline``.
+        """The velocity of ``latents`` at ``timestep``, computed with ``transformer``. The one template of every
+        family: the latents in the forward dtype, the timestep as float32 ``[B]``, the family's ``_forward`` under
+        autocast, and where ``needs_negative`` a CFG pass as ``cfg_mode`` says, mixed ``v_neg + g (v_pos - v_neg)``
+        in the forward's output layout (then rescaled where ``cfg_norm_rescale``), and ``_unpack`` to the latents'
+        layout. ``g`` is the scale of this call's timestep (``step_guidance``: a two-expert model's low-noise steps
+        take ``guidance_scale_2``); whether there is a CFG pass is ``guidance_scale``'s, as in ``WanPipeline``.
 
         Args:
-            transformer (`torch.nn.Module`): the transformer to run (the LoRA policy, the reference or an
-                engine's copy).
+            transformer (`torch.nn.Module`): the LoRA policy, the reference or an engine's copy.
             latents (`torch.Tensor`): spatial latents ``[B, C, H, W]`` (video ``[B, C, F', H, W]``).
             timestep (`torch.Tensor`): ``sigma * num_train_timesteps``, a scalar or ``[B]``.
             cond (`Conditioning`): from ``encode_prompts`` (with negative embeddings where CFG runs).
-            guidance_scale (`float`): the CFG scale; one with no CFG pass (``needs_negative`` false) runs
-                the positive side alone.
-            guidance_scale_2 (`float`, *optional*, defaults to `None`): a two-expert model's scale for its
-                low-noise steps; `None` uses ``guidance_scale``.
-
+            guidance_scale (`float`): the CFG scale (no CFG pass where ``needs_negative`` is false).
+            guidance_scale_2 (`float`, *optional*): a two-expert model's low-noise scale (`None`: the same).
         Returns:
-            `torch.Tensor`: float32 velocities shaped like ``latents``.
-        """
+            `torch.Tensor`: float32 velocities shaped like ``latents``."""
         cfg = self.needs_negative(guidance_scale)
         if cfg and cond.negative_prompt_embeds is None:
             raise ValueError(f"guidance_scale={guidance_scale} needs negative embeddings in the conditioning")
@@ -427,14 +411,8 @@ class FlowAdapter(LoraTargets):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Clean latents to pictures.
-
-        Args:
-            latents (`torch.Tensor`): clean spatial latents ``[B, C, H, W]``.
-
-        Returns:
-            `np.ndarray`: uint8 RGB images ``[B, H*f, W*f, 3]`` (``f`` the VAE's scale factor).
-        """
+        """Clean latents ``[B, C, H, W]`` (``latents``, `torch.Tensor`) -> uint8 RGB images
+        ``[B, H*f, W*f, 3]`` (`np.ndarray`; ``f`` the VAE's scale factor)."""
         vae = self.pipe.vae
         z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         image = vae.decode(z, return_dict=False)[0].float()
