@@ -1,5 +1,5 @@
-"""Presets added once ``presets.py`` reached the size limit: MixGRPO, Z-Image, FLUX.2, Wan2.2, FLUX.1 Kontext,
-shape edits and Qwen-Image-Edit.
+"""The presets of the newer families and objectives: MixGRPO, Z-Image, FLUX.2, Wan2.2, FLUX.1 Kontext, shape
+edits and Qwen-Image-Edit.
 
 ``TINY_EXT_PRESETS`` are laid over ``presets.TINY_CPU`` (as every ``tiny-cpu-*`` preset);
 ``GPU_EXT_PRESETS`` are whole recipes over the schema's defaults. ``presets.PRESETS`` takes both, and
@@ -30,7 +30,8 @@ TINY_CPU_ZIMAGE: dict[str, Any] = {
                                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",  # Z-Image's default
                                "linear"],
               "max_sequence_length": 64},
-    # lr 3e-2: 4.6 first-step stds in 25 steps (bench/learning.py --compare zimage --steps 25); 1.6 in 23 at 1e-2
+    # lr 3e-2: the tiny transformer learns several times faster than at tiny-cpu's 1e-2 (bench/README.md,
+    # "Model families": bench/learning.py --compare zimage,flux2,flux2-klein)
     "train": {"learning_rate": 3e-2},
     "sampling": {"guidance_scale": 4.0},
     "eval": {"guidance_scale": 4.0},
@@ -103,8 +104,7 @@ FLUX2_TINY_LORA_TARGETS = [
 # Over TINY_CPU: Flow-GRPO on builtin:tiny-flux2 at FLUX.2 [dev]'s distilled guidance 4 (a transformer
 # input, no CFG pass), LoRA on FLUX.2's default targets plus the output projection, 64 text tokens (the
 # templated system message takes ~30 of them). Learning rate 3e-2: the 0.1 M-parameter transformer
-# (width 32) gained 0.7 first-step stds in 40 steps at tiny-cpu's 1e-2, 10.7 in 25 steps at 3e-2
-# (bench/learning.py --compare flux2 --steps 25).
+# (width 32) barely moves at tiny-cpu's 1e-2 (bench/README.md, "Model families").
 TINY_CPU_FLUX2: dict[str, Any] = {
     "model": {"name": "builtin:tiny-flux2", "lora_targets": FLUX2_TINY_LORA_TARGETS,
               "max_sequence_length": 64},
@@ -229,9 +229,8 @@ TINY_CPU_FLUX_KONTEXT: dict[str, Any] = {
 # data.test_fraction and data.seed) with the strict shape_edit reward on builtin:shape-edits rows, CFG-free (the
 # transformer has no guidance embedding: guidance_scale is not an input), each group re-noised with shared noise,
 # as tiny-cpu-shapes does for generation. Instructions take up to 17 T5 tokens (the edit verbs are characters).
-# 3 of each sample's 9 noise levels a step (~7 s a step on 2 CPU cores), a cosine learning rate from 6e-4 and an
-# EMA of the LoRA for the evaluation: held-out success +0.054 / +0.023 / +0.046 over three seeds in 80 steps,
-# against +0.054 / +0.015 / -0.015 for 16 steps of all levels at a constant 1e-3 in the same 10 minutes
+# 3 of each sample's 9 noise levels a step, a cosine learning rate from 6e-4 and an EMA of the LoRA for the
+# evaluation: more steps in the same minutes, and a steadier held-out gain than all levels at a constant 1e-3
 # (bench/README.md, "Image edits in the shapes world").
 TINY_CPU_SHAPE_EDITS: dict[str, Any] = {
     "data": {"source": "builtin:shape-edits", "num_prompts": 256, "test_fraction": 0.2, "seed": 0},
