@@ -152,10 +152,10 @@ class Pretrainer(Checkpointed):
         self.stop = False
         self.t0 = time.perf_counter()
         self._load()
-        if args.vae_from and not self.state["vae_step"]:
-            self._vae_from(Path(args.vae_from))
-        if args.init_from and not self.state["vae_step"] and not self.state["tr_step"]:
-            self._init_from(Path(args.init_from))
+        if args.init_from and not self.state["vae_step"]:
+            self._start_from(Path(args.init_from), "--init-from", TRAINED)
+        elif args.vae_from and not self.state["vae_step"]:
+            self._start_from(Path(args.vae_from), "--vae-from", ("vae",))
 
     # -- state ---------------------------------------------------------------------------------------
     def _load(self) -> None:
@@ -180,43 +180,26 @@ class Pretrainer(Checkpointed):
         log.warning("resumed %s at VAE step %d, transformer step %d", path, self.state["vae_step"],
                     self.state["tr_step"])
 
-    def _vae_from(self, path: Path) -> None:
-        """Take the VAE of an exported shapes model (its ``vae.*`` tensors) and skip the VAE stage:
-        the autoencoder of the same pictures, so a new caption policy retrains only the transformer."""
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise SystemExit(f"--vae-from {path}: no such file; give a shapes model's .safetensors")
-        tensors = {k.removeprefix("vae."): v for k, v in load_file(str(path)).items() if k.startswith("vae.")}
-        if not tensors:
-            raise SystemExit(f"--vae-from {path}: no vae.* tensors; give a shapes model exported by this module")
-        self.vae.load_state_dict(tensors)
-        self.state["vae_step"] = self.args.vae_steps
-        log.warning("VAE taken from %s; the VAE stage is skipped", path)
-
-    def _init_from(self, path: Path) -> None:
-        """Start from an exported shapes model: its VAE as it is (the VAE stage skipped), its transformer
-        and text encoders (and their EMA) as the transformer stage's starting point: continued
-        pretraining on another world or caption policy."""
-        from safetensors.torch import load_file
-
-        if not path.is_file():
-            raise SystemExit(f"--init-from {path}: no such file; give a shapes model's .safetensors")
-        tensors = load_file(str(path))
-        for name in TRAINED:
-            part = {k.removeprefix(f"{name}."): v for k, v in tensors.items() if k.startswith(f"{name}.")}
-            if not part:
-                raise SystemExit(f"--init-from {path}: no {name}.* tensors; give a shapes model this module exported")
-            getattr(self.pipe, name).load_state_dict(part)
-        self.ema = [p.detach().clone() for p in self.denoiser.parameters()]
+    def _start_from(self, path: Path, option: str, names: tuple[str, ...]) -> None:
+        """Load the ``names`` modules of an exported shapes model and skip the VAE stage: ``--vae-from``
+        its VAE (a new caption policy over the same pictures), ``--init-from`` the whole model, its
+        latent scaling and EMA included (continued pretraining)."""
         from safetensors import safe_open
 
-        with safe_open(str(path), "pt") as f:  # the latent scaling the transformer was trained with
-            meta = json.loads((f.metadata() or {}).get("diffusionrl", "{}"))
-        if "shift_factor" in meta:
+        if not path.is_file():
+            raise SystemExit(f"{option} {path}: no such file; give a shapes model's .safetensors")
+        with safe_open(str(path), "pt") as f:
+            keys, meta = list(f.keys()), json.loads((f.metadata() or {}).get("diffusionrl", "{}"))
+            for name in names:
+                part = {k.removeprefix(f"{name}."): f.get_tensor(k) for k in keys if k.startswith(f"{name}.")}
+                if not part:
+                    raise SystemExit(f"{option} {path}: no {name}.* tensors; give a shapes model this module exported")
+                getattr(self.pipe, name).load_state_dict(part)
+        if option == "--init-from":
+            self.ema = [p.detach().clone() for p in self.denoiser.parameters()]
             self.state["stats"] = {k: float(meta[k]) for k in ("shift_factor", "scaling_factor")}
         self.state["vae_step"] = self.args.vae_steps
-        log.warning("started from %s; the VAE stage is skipped", path)
+        log.warning("%s %s: the VAE stage is skipped", option, path)
 
     def _fixed_args(self) -> dict:
         a = vars(self.args)
