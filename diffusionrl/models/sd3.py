@@ -35,10 +35,10 @@ class SD3Adapter(FlowAdapter):
 
     @classmethod
     def builtins(cls) -> dict:
-        # builtin:tiny-sd3-shapes(-unseen): the same architecture, pretrained on the shapes world (shipped weights)
-        from .tiny_shapes import SHAPES_REF, UNSEEN_REF, build_shapes_pipeline, build_unseen_shapes_pipeline
+        # builtin:tiny-sd3-shapes: the same architecture, pretrained on the shapes world (shipped weights)
+        from .tiny_shapes import SHAPES_REF, build_shapes_pipeline
 
-        return {**super().builtins(), SHAPES_REF: build_shapes_pipeline, UNSEEN_REF: build_unseen_shapes_pipeline}
+        return {**super().builtins(), SHAPES_REF: build_shapes_pipeline}
 
     def dead_lora_targets(self) -> set[str]:
         # In SD3's last block (context_pre_only) the text tokens' outputs are discarded, so the
