@@ -324,7 +324,7 @@ def test_metric_logger_buffers_through_an_outage(server):
         logger.on_step(None, 2, traj, {"train/loss": 0.25, "perf/step_time": 1.0})
     finally:
         os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
-    assert logger.failed_flushes == 2 and len(logger.buffer) == 4
+    assert logger.failed_flushes == 1 and len(logger.buffer) == 4  # the lookup failed: no try before retry_after_s
     logger.uri = uri  # the store is back
     logger.on_end(SimpleNamespace(out_dir="."))
     assert logger.buffer == []
@@ -336,3 +336,74 @@ def test_preflight_names_the_uri():
     bad = f"http://127.0.0.1:{_free_port()}"
     with pytest.raises(tracking.TrackingUnavailable, match=bad.replace(".", r"\.")):
         tracking.preflight(bad, timeout_s=2)
+
+
+def _mlflow_server(root: Path, port: int):
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+           "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1"]
+    svc = spawn("mlflow server", cmd, dict(os.environ), root, root / "server.log")
+    wait_until("mlflow server /health", lambda: http_ok(f"http://127.0.0.1:{port}/health"), 180, [svc])
+    return svc
+
+
+def test_an_mlflow_outage_costs_the_steps_no_time_and_its_metrics_arrive_when_it_is_back(tmp_path):
+    """While the tracking server was down every training step took ~61 s (MLflow's retries per call, then ours,
+    every step). A real server is stopped and started again on the same store: the first step that finds it down
+    pays a bounded try, the next ones nothing (the store is tried again after retry_after_s), and once it answers
+    every buffered step arrives, once. A resumed run's steps that never reached the store (its metrics.jsonl,
+    loop.history) are replayed; a logger started while the store is down asks it what it holds once it answers."""
+    import time
+    from types import SimpleNamespace
+
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    svc = _mlflow_server(tmp_path, port)
+    try:
+        run_id = MlflowClient(uri).create_run(tracking.ensure_experiment(uri, "outage")).info.run_id
+        traj = SimpleNamespace(images=None)
+        loop = SimpleNamespace(history=[], out_dir=tmp_path, step=0)
+
+        def step(logger, s: int) -> float:
+            row = {"train/loss": 1.0 / s, "perf/step_time": 1.0, "step": float(s)}
+            loop.history.append(row)
+            loop.step = s
+            t0 = time.monotonic()
+            logger.on_step(loop, s, traj, row)
+            return time.monotonic() - t0
+
+        logger = tracking.MetricLogger(uri, run_id, base_delay_s=0.01, retry_after_s=3, max_retry_after_s=3)
+        step(logger, 1)
+        svc.stop()
+        spent = [step(logger, s) for s in (2, 3, 4, 5)]
+        assert spent[0] < 10 and max(spent[1:]) < 0.5, spent  # one bounded try, then no call while it is down
+        assert logger.failed_flushes == 1 and {m.step for m in logger.buffer} == {2, 3, 4, 5}
+        svc = _mlflow_server(tmp_path, port)  # the store is back
+        time.sleep(max(0.0, logger.down_until - time.monotonic()))
+        step(logger, 6)
+        assert logger.buffer == [] and logger.down_until is None
+        losses = MlflowClient(uri).get_metric_history(run_id, "train/loss")
+        assert sorted((m.step, m.value) for m in losses) == [(s, 1.0 / s) for s in range(1, 7)]
+
+        # the attempt before ended during an outage: steps 7 and 8 are in its metrics.jsonl only
+        loop.history += [{"train/loss": 1.0 / s, "perf/step_time": 1.0, "step": float(s)} for s in (7, 8)]
+        resumed = tracking.MetricLogger(uri, run_id, base_delay_s=0.01)
+        assert resumed.logged_upto == 6
+        step(resumed, 9)
+        losses = MlflowClient(uri).get_metric_history(run_id, "train/loss")
+        assert sorted(m.step for m in losses) == list(range(1, 10))
+
+        svc.stop()  # a logger that starts while the store is down
+        t0 = time.monotonic()
+        late = tracking.MetricLogger(uri, run_id, base_delay_s=0.01, retry_after_s=3, max_retry_after_s=3)
+        assert late.logged_upto is None and time.monotonic() - t0 < 10
+        spent = [step(late, s) for s in (10, 11)]
+        assert max(spent) < 0.5, spent
+        svc = _mlflow_server(tmp_path, port)
+        time.sleep(max(0.0, late.down_until - time.monotonic()))
+        late.on_end(loop)  # the final flush: asks what the store holds, then sends the rest, once
+        assert late.logged_upto == 9 and late.buffer == []
+        losses = MlflowClient(uri).get_metric_history(run_id, "train/loss")
+        assert sorted(m.step for m in losses) == list(range(1, 12))
+    finally:
+        svc.stop()
