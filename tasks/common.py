@@ -241,7 +241,7 @@ def check_workflow_inputs(on_config_change: str, checkpoint_dir: str, stages: tu
     """What a workflow's first task checks of the workflow's own inputs, before any prompts are prepared or
     weights fetched: ``on_config_change`` is a choice (``config_change_allowed``), and no other run owns the
     run folders under ``checkpoint_dir`` that this execution's ``stages`` will hold (``stage_dir``;
-    ``run.lock.check_free``: one read of an object store's lease, or a probe of a local lock; a previous
+    ``run.lock_check.check_free``: one read of an object store's lease, or a probe of a local lock; a previous
     attempt of this execution is not another run). Without ``checkpoint_dir`` each stage gets a fresh folder
     under the attempt's output prefix: nothing to check. The stages still hold their folders as they run."""
     config_change_allowed(on_config_change)

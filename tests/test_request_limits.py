@@ -72,6 +72,7 @@ def test_the_image_model_refuses_bad_requests_through_pyfunc_before_loading_the_
                signature=model_signature(tiny_config()))
     mlmodel = (path / "MLmodel").read_text()
     assert "loader_module: request_limits" in mlmodel and (path / "code" / "request_limits.py").is_file()
+    assert (path / "code" / "request_pipelines.py").is_file()  # how it calls the pipeline, shipped beside
     assert mlflow.diffusers.load_model(str(path)).base_model == str(tmp_path / "no-base")  # the flavor is intact
     model = mlflow.pyfunc.load_model(str(path))
     for params, why in (({"num_inference_steps": 0}, "num_inference_steps=0 is out of bounds"),

@@ -262,7 +262,7 @@ def test_a_local_checkpoint_dir_is_locked_by_the_train_stage(tmp_path, holder):
 
 
 def test_check_free_reads_the_owner_without_taking_or_writing_the_folder(tmp_path, holder):
-    """``lock.check_free``, what a workflow's first task asks: the refusal ``hold_run_folder`` would give, from
+    """``lock_check.check_free``, what a workflow's first task asks: the refusal ``hold_run_folder`` would give, from
     one read of a lease or a probe of a local lock; nothing is created, taken or changed."""
     from diffusionrl.run import check_free
 

@@ -7,7 +7,8 @@
 - ``manifest``: each checkpoint's file sizes and SHA-256 (``CheckpointDamaged``);
 - ``folder``: ``RunFolder``, a run's folder as a local path or an object-store URI, and the
   ``SyncRunFolder`` callback;
-- ``lock``: one run per run folder (``hold_run_folder``; ``RunFolderBusy``; ``check_free``, a read-only check).
+- ``lock``: one run per run folder (``hold_run_folder``; ``RunFolderBusy``); ``lock_check.check_free``, the
+  same refusal from a read-only look.
 
 The names other modules import are re-exported here. Those of ``loop`` and ``checkpoint`` load on
 first use: those modules import torch, which a caller that only needs a ``Callback`` or the run
@@ -27,7 +28,8 @@ from .folder import (
     local_path,
     write_text,
 )
-from .lock import RunFolderBusy, RunFolderLost, RunOwner, check_free, hold_run_folder
+from .lock import RunFolderBusy, RunFolderLost, RunOwner, hold_run_folder
+from .lock_check import check_free
 from .manifest import CheckpointDamaged, verify_checkpoint, write_manifest
 
 _LOOP = ("RUN_CONTROL_KEYS", "RunLoop", "RunResult", "Schedule")

@@ -162,7 +162,7 @@ def _served(info: dict) -> list[str]:
     if fixed:
         lines += ["", f"The stock `{info['pipeline_class']}` {fixed} whatever the output size; this LoRA was trained "
                       "with it at the output's area, which the registered model serves (diffusionrl's "
-                      "`serving/request_limits.area_bound_call`)."]
+                      "`serving/request_pipelines.area_bound_call`)."]
     return lines
 
 

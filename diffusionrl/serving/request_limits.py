@@ -10,7 +10,8 @@ and its range (``RequestError``, an ``MlflowException`` with ``INVALID_PARAMETER
 ``mlflow models serve`` answers with HTTP 400).
 
 - images (``mlflow.diffusers``): this module is the model's pyfunc loader (``_load_pyfunc``), shipped
-  with it as its code (``code/request_limits.py``: ``save_model``, what ``mlflow_model.log_lora_model``
+  with it as its code (``code/request_limits.py`` and ``code/request_pipelines.py``, how it calls the pipeline:
+  ``save_model``, what ``mlflow_model.log_lora_model``
   logs with) around MLflow's own diffusers wrapper, so serving still needs no diffusionrl install;
   hence it imports only the standard library and mlflow (pandas through mlflow; Pillow and torch, which
   diffusers needs, for input images). Every request samples as the run's evaluation does (``call_kwargs``): the
@@ -31,6 +32,11 @@ from typing import Any
 
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+try:  # as diffusionrl.serving.request_limits, or as the model's code/ (top-level modules, shipped together)
+    from .request_pipelines import IMAGE_REQUIRED, TRUE_CFG, area_bound_call, png, reference_size, true_cfg
+except ImportError:
+    from request_pipelines import IMAGE_REQUIRED, TRUE_CFG, area_bound_call, png, reference_size, true_cfg
 
 LOADER_MODULE = "request_limits"  # the image model's pyfunc loader: this file, as the model's code/
 MAX_PROMPTS = 64  # prompts per request
@@ -241,81 +247,6 @@ def check_image_size(data: bytes, i: int) -> None:
                            f"{MAX_IMAGE_PIXELS} pixels (4096x4096) an input image may have; downscale it")
 
 
-def reference_size(height: int, width: int, area: int, multiple: int = 16) -> tuple[int, int]:
-    """Where an editing model's input image is encoded: its aspect at ``area`` pixels, in whole
-    ``multiple``-pixel patches (``models/flux_kontext.FluxKontextAdapter.reference_size``, as trained)."""
-    aspect = width / height
-    w = round((area * aspect) ** 0.5) // multiple * multiple
-    h = round((area / aspect) ** 0.5) // multiple * multiple
-    return max(h, multiple), max(w, multiple)
-
-
-# Pipelines that only edit: their ``__call__`` reads the input image's size first (no prompt-only generation).
-IMAGE_REQUIRED = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
-# Pipelines whose guidance is true CFG (``true_cfg_scale``; FLUX.1 Kontext takes one too, besides its distilled
-# ``guidance_scale``, which is what its adapter samples with)
-TRUE_CFG = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
-VAE_AREA = "VAE_IMAGE_SIZE"  # QwenImageEditPlusPipeline's module constant: the area its input image is encoded at
-# QwenImageEditPipeline's size rule: its __call__ calls it once, as calculate_dimensions(1024 * 1024, aspect), for
-# the size its input image is resized to (the VL encoder and the VAE both take that image)
-AREA_RULE = "calculate_dimensions"
-
-
-def area_bound_call(pipeline, area: int):
-    """``pipeline.__call__`` with the input image encoded at ``area`` pixels (at its aspect), for a pipeline that
-    encodes it at a fixed area whatever the output's size (QwenImageEditPlusPipeline: its module's
-    ``VAE_IMAGE_SIZE``, 1024^2; QwenImageEditPipeline: ``calculate_dimensions(1024 * 1024, ...)`` in the call);
-    None for one whose request sizes it (Kontext: resized to ``reference_size`` beforehand).
-
-    The LoRA was trained with the input image at the output's area (``models/qwen_image_edit.py``: the
-    sampling resolution's), so the served edit encodes it there too. This is the stock function (its code,
-    defaults and closure, under ``torch.no_grad`` as the method is) over a copy of its module's globals in which
-    ``VAE_IMAGE_SIZE`` is ``area``, or (the first release's pipeline, which has no such constant) in which
-    ``calculate_dimensions`` sizes for ``area`` whatever area it is asked: nothing is patched, so the module,
-    other pipelines and concurrent requests keep the stock value. The input image goes to it as sent (the
-    pipeline resizes it once, as the adapter does)."""
-    import functools
-    import inspect
-    import types
-
-    import torch
-
-    fn = inspect.unwrap(type(pipeline).__call__)  # the function under torch.no_grad's wrapper
-    names = fn.__code__.co_names
-    if VAE_AREA in names:  # the Plus pipeline also calls calculate_dimensions, for its VL image's fixed 384^2
-        bound = {VAE_AREA: int(area)}
-    elif AREA_RULE in names:
-        rule = fn.__globals__[AREA_RULE]
-        bound = {AREA_RULE: lambda _fixed_area, ratio: rule(int(area), ratio)}
-    else:
-        return None
-    call = types.FunctionType(fn.__code__, {**fn.__globals__, **bound}, fn.__name__, fn.__defaults__, fn.__closure__)
-    call.__kwdefaults__ = fn.__kwdefaults__
-    return functools.partial(torch.no_grad()(call), pipeline)
-
-
-def true_cfg(kwargs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The guidance arguments of a true-CFG pipeline (``TRUE_CFG``: Qwen-Image's ``true_cfg_scale``; its
-    ``guidance_scale`` is a guidance-distilled model's, which it ignores): the ``guidance_scale`` param as
-    ``true_cfg_scale``, and above 1 the ``negative_prompt`` param as it is, "" included (the pipeline guides
-    only when given a negative prompt; the adapter always gives one: ``QwenImageAdapter.pipeline_kwargs``)."""
-    if "guidance_scale" not in params:
-        return kwargs  # the pipeline's own default
-    out = {k: v for k, v in kwargs.items() if k not in ("guidance_scale", "negative_prompt")}
-    out["true_cfg_scale"] = float(params["guidance_scale"])
-    if out["true_cfg_scale"] > 1:
-        out["negative_prompt"] = params.get("negative_prompt") or ""
-    return out
-
-
-def png(image) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 class BoundedDiffusers:
     """MLflow's diffusers pyfunc wrapper (which loads the pipeline), behind the request limits; the pipeline is
     called here, with the arguments the run's evaluation samples with (MLflow's wrapper passes prompts and its
@@ -446,7 +377,8 @@ def _load_pyfunc(path, model_config=None):
 
 def save_model(path, mlflow_model, max_sequence_length: int | None = None, **kwargs) -> None:
     """``mlflow.diffusers.save_model`` whose pyfunc flavor loads through this module, shipped as the
-    model's ``code/``: every request is bounded, then generated as the run evaluated (``call_kwargs``).
+    model's ``code/`` with ``request_pipelines.py``: every request is bounded, then generated as the run
+    evaluated (``call_kwargs``).
     ``max_sequence_length`` (the run's ``model.max_sequence_length``) is the pyfunc flavor's model
     configuration (``MLmodel``'s ``config``, which ``load_model(..., model_config=...)`` overrides). The
     ``diffusers`` flavor (``mlflow.diffusers.load_model``) and the folder layout are unchanged.
@@ -457,7 +389,8 @@ def save_model(path, mlflow_model, max_sequence_length: int | None = None, **kwa
     from mlflow.models.model import MLMODEL_FILE_NAME
     from mlflow.pyfunc import FLAVOR_NAME, MAIN, MODEL_CONFIG
 
-    kwargs["code_paths"] = [*(kwargs.get("code_paths") or []), __file__]
+    here = Path(__file__)
+    kwargs["code_paths"] = [*(kwargs.get("code_paths") or []), str(here), str(here.with_name("request_pipelines.py"))]
     mlflow.diffusers.save_model(path=path, mlflow_model=mlflow_model, **kwargs)
     mlflow_model.flavors[FLAVOR_NAME][MAIN] = LOADER_MODULE
     if max_sequence_length:
