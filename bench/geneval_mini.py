@@ -59,7 +59,8 @@ def accuracy(table) -> dict:
     """Base and tuned accuracy per category (``overall``: GenEval's mean of categories, ``all samples``), and
     the 90 % paired-bootstrap interval of each gain (``category_table``)."""
     per = category_table(table).set_index("category")
-    out = {side: {c: round(float(per.loc[c, side]), 4) for c in per.index} for side in ("base", "tuned")}
+    sides = [side for side in ("base", "base_cfg", "tuned") if side in per]  # base_cfg: eval.base_guidance_scale
+    out = {side: {c: round(float(per.loc[c, side]), 4) for c in per.index} for side in sides}
     out["gain_interval"] = {c: [round(float(per.loc[c, "gain_lo"]), 4), round(float(per.loc[c, "gain_hi"]), 4)]
                             for c in per.index}
     return out
@@ -109,7 +110,14 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         "gain_all_samples": round(acc["tuned"]["all samples"] - acc["base"]["all samples"], 4),
         "gain_all_samples_interval": acc["gain_interval"]["all samples"],
         "base": acc["base"],
+        **({"base_cfg": acc["base_cfg"], "base_guidance_scale": cfg.eval.base_guidance_scale} if "base_cfg" in acc
+           else {}),
         "tuned": acc["tuned"],
+        "prompts_with_a_success": {side: round(summary[f"eval/{p}geneval_mini_success/prompts_with_a_success"], 4)
+                                   for side, p in (("base", "base_"), ("tuned", ""))},
+        # the share of prompt groups whose samples all scored the same (no learning signal), per step
+        "zero_std_share": [round(m.get("rollout/zero_std/count", 0) / cfg.train.prompts_per_step, 3)
+                           for m in loop.history],
         "objects_per_image": {s: v["objects"] for s, v in per_image.items()},
         "blobs_per_image": {s: v["blobs"] for s, v in per_image.items()},
         "diversity": {"base": round(summary["eval/base_diversity"], 4), "tuned": round(summary["eval/diversity"], 4)},

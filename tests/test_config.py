@@ -161,7 +161,7 @@ def test_a_partial_tree_is_laid_over_its_preset_not_over_bare_defaults():
 
 
 def test_the_cli_prints_one_line_and_exits_2(tmp_path, capsys):
-    from diffusionrl.config import main as config_main
+    from diffusionrl.config.cli import main as config_main
     from diffusionrl.train import main as train_main
 
     assert train_main(["--set", "train.lerning_rate=1", "--out", str(tmp_path)]) == 2
