@@ -349,7 +349,7 @@ def test_outputs_live_in_the_object_store(execution, services, propeller, tmp_pa
     traj = sorted(k.rsplit("/", 1)[-1] for k in store.keys(ch.literal_uri(out["trajectories"])))
     assert traj == [f"step-{s:06d}.parquet" for s in range(1, STEPS + 1)], traj
     html = store.get(ch.literal_uri(out["report"])).decode()
-    assert "Training curves" in html
+    assert 'alt="training curve"' in html and "Held-out prompts: base | tuned" in html
     metrics = _read_parquet_folder(store, ch.literal_uri(out["metrics"]))
     assert metrics["step"].tolist() == list(range(1, STEPS + 1))
     # The registered model's artifacts are in the object store too (through the MLflow server).

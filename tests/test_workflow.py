@@ -44,7 +44,7 @@ def run(grpo, tmp_path_factory):
 def test_outputs_exist_and_report_links_artifacts(run):
     out, ckpt = run
     html = Path(out.report.path).read_text()
-    assert "Training curves" in html and "base (top) vs tuned (bottom)" in html and str(ckpt) in html
+    assert 'alt="training curve"' in html and "Held-out prompts: base | tuned" in html and str(ckpt) in html
     assert (Path(out.lora.path) / "adapter_model.safetensors").is_file()
     assert (ckpt / "metrics.jsonl").is_file() and (ckpt / "checkpoints").is_dir()
 
