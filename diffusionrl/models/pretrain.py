@@ -196,6 +196,8 @@ class Pretrainer(Checkpointed):
                     raise SystemExit(f"{option} {path}: no {name}.* tensors; give a shapes model this module exported")
                 getattr(self.pipe, name).load_state_dict(part)
         if option == "--init-from":
+            if "shift_factor" not in meta:
+                raise SystemExit(f"{option} {path}: no latent scaling in its metadata; give a model pretrain exported")
             self.ema = [p.detach().clone() for p in self.denoiser.parameters()]
             self.state["stats"] = {k: float(meta[k]) for k in ("shift_factor", "scaling_factor")}
         self.state["vae_step"] = self.args.vae_steps
