@@ -78,6 +78,8 @@ def true_cfg(kwargs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
 
 
 def png(image) -> bytes:
+    """PNG bytes of the pipeline's PIL image. The served code's own encoder, not ``video.png_bytes``: this module
+    ships in the registered model without the diffusionrl package."""
     import io
 
     buf = io.BytesIO()
