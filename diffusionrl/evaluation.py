@@ -103,17 +103,16 @@ def evaluate_lora(
     while len(prompts) % micro:
         micro -= 1
     spec = eval_spec(cfg)
-    base = LocalRolloutEngine(adapter, adapter.transformer, micro).generate(
-        prompts, groups, seeds, spec, None, metadata
-    )
+    base_engine = LocalRolloutEngine(adapter, adapter.transformer, micro)
+    base = base_engine.generate(prompts, groups, seeds, spec, None, metadata)
     tuned = LocalRolloutEngine(adapter, tuned_transformer, micro).generate(
         prompts, groups, seeds, spec, None, metadata
     )
     guided = None
     if cfg.eval.base_guidance_scale and cfg.eval.base_guidance_scale != cfg.eval.guidance_scale:
-        guided = LocalRolloutEngine(adapter, adapter.transformer, micro).generate(
-            prompts, groups, seeds, dataclasses.replace(spec, guidance_scale=cfg.eval.base_guidance_scale), None,
-            metadata)
+        guided = base_engine.generate(prompts, groups, seeds,
+                                      dataclasses.replace(spec, guidance_scale=cfg.eval.base_guidance_scale), None,
+                                      metadata)
     scorer = MixtureReward(cfg.reward.weights, cfg.reward)
     try:
         base_total, base_parts = scorer(base.images, prompts, metadata)
