@@ -148,48 +148,79 @@ def test_every_checkpoint_damaged_fails_closed_instead_of_starting_over(tmp_path
     assert "\n" not in str(err.value)
 
 
-def as_legacy(ckpt):
-    """What the code before manifests wrote: state.json format 1, no manifest.json."""
+def as_format_1(ckpt):
+    """A checkpoint in a format this version does not write: state.json format 1, no config or inputs,
+    no manifest.json."""
     (ckpt / "manifest.json").unlink()
     record = json.loads((ckpt / "state.json").read_text())
     record["format_version"] = 1
-    del record["config"]
+    del record["config"], record["inputs"]
     (ckpt / "state.json").write_text(json.dumps(record))
 
 
-def test_a_checkpoint_without_manifest_from_before_checksums_loads_with_a_warning(tmp_path, full, caplog):
-    run = tmp_path / "part"
-    toy(run).run(resume=None, stop_after=2)
-    as_legacy(run / "checkpoints" / "step-000002")
-    caplog.set_level(logging.WARNING)
-    resumed = toy(run)
-    assert resumed.run(resume="auto").steps_done == 3 and same(weights(resumed), full)
-    assert len(warnings_about(caplog, "written before checksums")) == 1
-
-
-def test_a_truncated_legacy_checkpoint_falls_back_too(tmp_path, caplog):
-    toy(tmp_path).run(resume=None)
-    for step in (2, 3):
-        as_legacy(tmp_path / "checkpoints" / f"step-{step:06d}")
-    lora = tmp_path / "checkpoints" / "step-000003" / "lora.safetensors"
-    lora.write_bytes(lora.read_bytes()[:-3])
-    caplog.set_level(logging.WARNING)
-    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-000002"
-    assert warnings_about(caplog, "lora.safetensors")[0].startswith("skipping damaged checkpoint step-000003")
-
-
-def test_a_new_checkpoint_that_lost_its_manifest_is_damaged(tmp_path):
+def test_a_checkpoint_without_its_manifest_is_damaged_naming_the_folder_and_the_fix(tmp_path):
     toy(tmp_path, steps=1).run(resume=None)
     ckpt = tmp_path / "checkpoints" / "step-000001"
     (ckpt / "manifest.json").unlink()
-    with pytest.raises(CheckpointDamaged, match="manifest.json is missing"):
+    with pytest.raises(CheckpointDamaged) as err:
         load_checkpoint(ckpt)
+    message = str(err.value)
+    assert "\n" not in message and f"checkpoint {ckpt} is damaged: manifest.json is missing" in message
+    assert "copy the whole folder again or resume from another checkpoint" in message
+
+
+def test_a_newest_checkpoint_without_manifest_is_skipped_for_the_previous_one(tmp_path, full, caplog):
+    run = tmp_path / "part"
+    toy(run).run(resume=None)  # checkpoints 1, 2, 3
+    as_format_1(run / "checkpoints" / "step-000003")
+    caplog.set_level(logging.WARNING)
+    assert latest_checkpoint(run / "checkpoints").name == "step-000002"
+    caplog.clear()
+    resumed = toy(run)
+    assert resumed.run(resume="auto").steps_done == 3 and same(weights(resumed), full)
+    [line] = warnings_about(caplog, "skipping damaged checkpoint step-000003")
+    assert "manifest.json is missing" in line
+    load_checkpoint(run / "checkpoints" / "step-000003")  # rewritten whole by the resumed run
+
+
+def test_only_checkpoints_without_manifest_fail_in_one_line_saying_what_to_do(tmp_path):
+    toy(tmp_path).run(resume=None)
+    for step in (1, 2, 3):
+        as_format_1(tmp_path / "checkpoints" / f"step-{step:06d}")
+    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*step-000003: manifest.json is missing.*"
+                                                 r"start over with --fresh") as err:
+        toy(tmp_path).run(resume="auto")
+    assert "\n" not in str(err.value) and "step-000001: manifest.json is missing" in str(err.value)
+
+
+@pytest.mark.parametrize("edit", [{"format_version": 1}, {"config": None}, {"inputs": None}])
+def test_a_verified_state_json_of_another_format_is_refused_in_one_line(tmp_path, edit):
+    """Intact files (the manifest rewritten to match) in a format this version does not write: no
+    fallback to an older checkpoint (written by the same code), one line naming state.json."""
+    from diffusionrl.run.manifest import write_manifest
+
+    toy(tmp_path, steps=1).run(resume=None)
+    ckpt = tmp_path / "checkpoints" / "step-000001"
+    record = json.loads((ckpt / "state.json").read_text())
+    for key, value in edit.items():
+        if value is None:
+            del record[key]
+        else:
+            record[key] = value
+    (ckpt / "state.json").write_text(json.dumps(record))
+    write_manifest(ckpt)
+    with pytest.raises(CheckpointMismatch) as err:
+        toy(tmp_path, steps=2).run(resume="auto")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{ckpt / 'state.json'}: checkpoint format ")
+    assert "this version reads; resume from a checkpoint it wrote or start over (--fresh)" in message
+    assert ("format 1," in message) if "format_version" in edit else (f"without {next(iter(edit))}," in message)
 
 
 @pytest.mark.parametrize("copied", [[], ["lora.safetensors", "optimizer.safetensors"]])
 def test_an_empty_or_half_copied_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, full, caplog, copied):
-    """A ``step-N/`` with neither state.json nor manifest.json (an interrupted copy, a mkdir) is
-    damaged like any other: skipped with one warning, not a FileNotFoundError for every resume."""
+    """A ``step-N/`` without its manifest.json (an interrupted copy, a mkdir) is damaged like any
+    other: skipped with one warning, not a FileNotFoundError for every resume."""
     run = tmp_path / "part"
     toy(run).run(resume=None, stop_after=2)
     ckpts = run / "checkpoints"
@@ -201,13 +232,13 @@ def test_an_empty_or_half_copied_latest_checkpoint_falls_back_to_the_previous_on
     resumed = toy(run)
     assert resumed.run(resume="auto").steps_done == 3 and same(weights(resumed), full)
     skipped = warnings_about(caplog, "skipping damaged checkpoint step-000003")
-    assert skipped and all("no state.json and no manifest.json" in w for w in skipped)
+    assert skipped and all("manifest.json is missing" in w for w in skipped)
     load_checkpoint(ckpts / "step-000003")  # rewritten whole by the resumed run
 
 
 def test_only_empty_checkpoints_fail_in_one_line_instead_of_a_traceback(tmp_path):
     (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
-    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*step-000001: no state.json") as err:
+    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*step-000001: manifest.json is mis") as err:
         toy(tmp_path).run(resume="auto")
     assert "\n" not in str(err.value)
 
@@ -270,13 +301,6 @@ def test_an_allowed_change_is_recorded_and_takes_effect(tmp_path, caplog):
     assert toy(tmp_path, steps=4, learning_rate=0.5).run(resume="auto").steps_done == 4  # the new baseline
 
 
-def test_a_checkpoint_without_a_recorded_config_is_compared_with_config_json(tmp_path):
-    toy(tmp_path, steps=1).run(resume=None)
-    as_legacy(tmp_path / "checkpoints" / "step-000001")
-    with pytest.raises(ConfigChanged, match="train.learning_rate"):
-        toy(tmp_path, steps=2, learning_rate=0.5).run(resume="auto")
-
-
 # -- the data behind an unchanged path ------------------------------------------------------------
 
 
@@ -304,8 +328,8 @@ def test_an_allowed_data_change_is_recorded_and_becomes_the_new_baseline(tmp_pat
     assert toy(tmp_path, steps=3, inputs={"prompts": "bbbb"}).run(resume="auto").steps_done == 3
 
 
-def test_a_checkpoint_without_input_digests_is_not_compared(tmp_path):
-    toy(tmp_path, steps=1).run(resume=None)  # recorded no inputs (as checkpoints before digests)
+def test_an_input_only_the_resumed_run_records_is_not_compared(tmp_path):
+    toy(tmp_path, steps=1).run(resume=None)  # records no inputs
     assert toy(tmp_path, steps=2, inputs={"prompts": "bbbb"}).run(resume="auto").steps_done == 2
 
 

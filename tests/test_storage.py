@@ -215,14 +215,32 @@ def test_no_intact_published_checkpoint_fails_in_one_line(tmp_path):
     assert "\n" not in str(err.value) and "state.json" in str(err.value)
 
 
-def test_a_pointer_from_before_pointer_history_falls_back_by_listing(tmp_path):
+@pytest.mark.parametrize("pointer", [b"{", b"{}", b"x"], ids=["torn", "empty", "not-json"])
+def test_a_pointer_that_cannot_be_read_falls_back_to_the_published_checkpoints_newest_first(tmp_path, caplog,
+                                                                                            pointer):
     uri = store_uri()
     a = RunFolder(uri, staging=tmp_path / "a")
     one = a.publish_checkpoint(fake_checkpoint(a, 1), step=1)
     two = a.publish_checkpoint(fake_checkpoint(a, 2), step=2)
     a.fs.put_file(str(fake_checkpoint(a, 3) / "lora.safetensors"),  # a torn upload, never pointed to
                   f"{a.root}/checkpoints/step-000003-0000abcd/lora.safetensors")
-    a.fs.pipe_file(f"{a.root}/checkpoints/{POINTER}", json.dumps({"name": two, "step": 2}).encode())
+    a.fs.pipe_file(f"{a.root}/checkpoints/{POINTER}", pointer)
     damage(a, two)
+    caplog.set_level("WARNING")
     path = RunFolder(uri, staging=tmp_path / "b").pull()
     assert path.name == "step-000001" and one in published(a)
+    [line] = [r.getMessage() for r in caplog.records if POINTER in r.getMessage()]
+    assert line.startswith(f"{uri}/checkpoints/{POINTER} cannot be read (") and "newest first" in line
+
+
+def test_a_pointer_without_its_predecessors_is_not_a_pointer_record(tmp_path, caplog):
+    uri = store_uri()
+    a = RunFolder(uri, staging=tmp_path / "a")
+    two = a.publish_checkpoint(fake_checkpoint(a, 2), step=2)
+    a.fs.pipe_file(f"{a.root}/checkpoints/{POINTER}", json.dumps({"name": two, "step": 2}).encode())
+    with pytest.raises(ValueError, match=r"needs name, step and previous, it has \['name', 'step'\]"):
+        a.latest_published()
+    caplog.set_level("WARNING")
+    assert RunFolder(uri, staging=tmp_path / "b").pull().name == "step-000002"
+    assert any("cannot be read" in r.getMessage() for r in caplog.records)
+

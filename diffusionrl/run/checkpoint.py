@@ -11,9 +11,10 @@ Layout of a checkpoint folder ``step-000012/``::
 
 A folder is written under a temporary name and renamed when complete, so a crash mid-save never
 leaves a half checkpoint that looks valid; the manifest catches what the rename cannot (bytes
-damaged later, a partial copy). ``load_checkpoint`` verifies it and names the damaged file;
-``latest_checkpoint`` / ``load_latest`` skip a damaged checkpoint with one warning line and take
-the previous intact one.
+damaged later, a partial copy). ``load_checkpoint`` verifies it and names the damaged file (a folder
+without its manifest is damaged too), and refuses a ``state.json`` of another format or without one
+of the keys above (``CheckpointMismatch``, one line); ``latest_checkpoint`` / ``load_latest`` skip a
+damaged checkpoint with one warning line and take the previous intact one.
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ __all__ = ["CheckpointDamaged", "CheckpointMismatch", "CheckpointState", "Config
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: format 1 + manifest.json + the run's config in state.json
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 2  # state.json's format_version: the format save_checkpoint writes, the one load_checkpoint reads
+STATE_KEYS = ("step", "policy_version", "metadata", "config", "inputs", "optimizer", "scaler", "rng", "tensor_groups",
+              "extra")  # what save_checkpoint writes into state.json besides format_version
 NAME = re.compile(r"step-\d+")
 
 
 class CheckpointMismatch(UserError):
-    """A checkpoint was made for another model or objective than the current run."""
+    """A checkpoint was made for another model or objective than the current run, or in another format."""
 
 
 class ConfigChanged(CheckpointMismatch):
@@ -88,7 +90,7 @@ def _optimizer_join(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     for key, value in tensors.items():
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value
-    for idx, values in meta.get("scalars", {}).items():
+    for idx, values in meta["scalars"].items():
         state.setdefault(int(idx), {}).update(values)
     return {"state": state, "param_groups": meta["param_groups"]}
 
@@ -159,7 +161,7 @@ def save_checkpoint(directory: str | Path, state: CheckpointState) -> Path:
 def _load(directory: Path, name: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(directory / name))
-    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:  # damage a manifest-less folder can hide
+    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:  # damage load_checkpoint(verify=False) lets by
         raise CheckpointDamaged(directory, f"{name} is unreadable ({type(exc).__name__}: {exc})") from exc
 
 
@@ -170,21 +172,20 @@ def load_checkpoint(directory: str | Path, restore_rng: bool = True, verify: boo
     record_path = directory / "state.json"
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a checkpoint (no such folder)")
-    if not record_path.is_file() and not (directory / "manifest.json").is_file():
-        # an empty or half-copied step-N/: damaged, so that load_latest falls back past it
-        raise CheckpointDamaged(directory, "no state.json and no manifest.json (empty, or not completely copied)")
-    if verify:
+    if verify:  # an empty or half-copied step-N/ has no manifest: damaged, so that load_latest falls back past it
         verify_checkpoint(directory)
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointDamaged(directory, f"state.json is unreadable ({type(exc).__name__}: {exc})") from exc
-    if record.get("format_version") not in READABLE_FORMATS:
+    missing = [k for k in STATE_KEYS if k not in record]
+    if record.get("format_version") != FORMAT_VERSION or missing:
         raise CheckpointMismatch(
-            f"{directory}: checkpoint format {record.get('format_version')} is not one of {READABLE_FORMATS}"
-        )
+            f"{record_path}: checkpoint format {record.get('format_version')}"
+            f"{' without ' + ', '.join(missing) if missing else ''}, not the format {FORMAT_VERSION} (with "
+            f"{', '.join(STATE_KEYS)}) this version reads; resume from a checkpoint it wrote or start over (--fresh)")
     extra = _load(directory, "extra.safetensors")
-    groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in record.get("tensor_groups", [])}
+    groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in record["tensor_groups"]}
     rng: dict[str, torch.Tensor] = {}
     for key, value in extra.items():
         group, name = key.split(".", 1)
@@ -192,18 +193,18 @@ def load_checkpoint(directory: str | Path, restore_rng: bool = True, verify: boo
     lora = _load(directory, "lora.safetensors")
     optimizer = _optimizer_join(_load(directory, "optimizer.safetensors"), record["optimizer"])
     if restore_rng:
-        _set_rng_state(rng, record.get("rng", {}))
+        _set_rng_state(rng, record["rng"])
     return CheckpointState(
         step=int(record["step"]),
         policy_version=int(record["policy_version"]),
         metadata=record["metadata"],
         lora=lora,
         optimizer=optimizer,
-        scaler=record.get("scaler", {}),
+        scaler=record["scaler"],
         tensors=groups,
-        extra=record.get("extra", {}),
-        config=record.get("config", {}),
-        inputs=record.get("inputs", {}),
+        extra=record["extra"],
+        config=record["config"],
+        inputs=record["inputs"],
     )
 
 
@@ -244,8 +245,8 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any], free: tuple[s
 def input_changes(saved: dict[str, str], current: dict[str, str]) -> dict[str, dict]:
     """``{"inputs.<name>": {"old", "new"}}`` for every input (prompts, SFT pairs, initial LoRA) both
     sides recorded whose digest differs: the data behind an unchanged path changed. An input only
-    one side has (a checkpoint from before digests were recorded, an input added by a config
-    change, which ``config_changes`` reports) is not compared."""
+    one side has (an input added or dropped by a config change, which ``config_changes`` reports)
+    is not compared."""
     return {f"inputs.{k}": {"old": saved[k], "new": current[k]} for k in sorted(set(saved) & set(current))
             if saved[k] != current[k]}
 

@@ -6,7 +6,9 @@ is a staging copy and ``RunFolder`` moves what must outlive the process to the s
 - ``pull()`` before a run: the published checkpoint (``checkpoints/LATEST``) and ``metrics.jsonl``
   come down, so a re-launched execution, on another machine, resumes where the last one stopped;
   the checkpoint is verified against its manifest (``diffusionrl.run.manifest``), and when the
-  pointer's target is damaged the previous published one is used (one warning line);
+  pointer's target is damaged the previous published one is used (one warning line); a pointer
+  that does not parse, or lacks a key ``publish_checkpoint`` writes, is reported in one warning line
+  and the published checkpoints are tried newest first;
 - ``publish_checkpoint(path)``: the checkpoint goes up under a new versioned prefix
   (``checkpoints/step-000012-<random>/``, its ``manifest.json`` last), and only when every file is
   there does the pointer ``checkpoints/LATEST`` (one small object, written in one request, naming
@@ -18,7 +20,7 @@ is a staging copy and ``RunFolder`` moves what must outlive the process to the s
   resumed run ends with one file per step and one metrics row per step.
 
 For a local folder every method is a no-op (checkpoints are already written under a temporary
-name and renamed, ``diffusionrl.run.checkpoint``), so local runs behave exactly as before.
+name and renamed, ``diffusionrl.run.checkpoint``): the loop's own files are the run folder.
 
 A run folder must outlive the process that writes it (the next task reads it, a retried attempt
 resumes from it, MLflow records where it is): a store that lives inside the process (fsspec's
@@ -244,13 +246,19 @@ class RunFolder:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def latest_published(self) -> dict | None:
-        """The pointer record ``{"name", "step"}`` of the published checkpoint, if any."""
+        """The pointer record ``{"name", "step", "previous"}`` of the published checkpoint, if any;
+        ``ValueError`` saying what it lacks when it is not such a record."""
         if not self.remote:
             return None
         pointer = self._remote(f"checkpoints/{POINTER}")
         if not self.fs.exists(pointer):
             return None
-        return json.loads(self.fs.cat_file(pointer))
+        record = json.loads(self.fs.cat_file(pointer))
+        if not isinstance(record, dict) or not isinstance(record.get("name"), str) \
+                or not isinstance(record.get("step"), int) or not isinstance(record.get("previous"), list):
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"not a pointer record: it needs name, step and previous, it has {keys}")
+        return record
 
     def pull(self) -> Path | None:
         """Bring the published checkpoint and ``metrics.jsonl`` into the local folder; returns the
@@ -264,9 +272,9 @@ class RunFolder:
         try:
             record = self.latest_published()
         except ValueError as exc:  # a pointer is one request: this is not expected, but not fatal either
-            log.warning("checkpoints/%s of %s is unreadable (%s): trying the published checkpoints newest first",
-                        POINTER, self.uri, exc)
-            record = {"name": None, "step": None}
+            log.warning("%s/checkpoints/%s cannot be read (%s): trying the published checkpoints newest first",
+                        self.uri, POINTER, exc)
+            record = {"name": None, "previous": []}
         if record is None:
             return None
         for name in self._candidates(record):
@@ -294,13 +302,11 @@ class RunFolder:
         return sorted(n for n in names if PUBLISHED.fullmatch(n))
 
     def _candidates(self, record: dict) -> list[str]:
-        """The pointer's target, then the prefixes published before it, newest first."""
-        if "previous" in record:
+        """The pointer's target, then the prefixes it names as published before it; with no readable
+        pointer (``name`` None) every published prefix, newest first."""
+        if record["name"]:
             return [record["name"], *record["previous"]]
-        # a pointer written before pointers named their predecessors (or an unreadable one)
-        older = [n for n in self._published() if record["step"] is None or _step(n) <= int(record["step"])]
-        return ([record["name"]] if record["name"] else []) + sorted(
-            (n for n in older if n != record["name"]), key=lambda n: (_step(n), n), reverse=True)
+        return sorted(self._published(), key=lambda n: (_step(n), n), reverse=True)
 
     def _download(self, name: str) -> Path:
         dest = self.local / "checkpoints" / f"step-{_step(name):06d}"
@@ -330,7 +336,7 @@ class RunFolder:
         except ValueError:
             before = None
         damaged = getattr(self, "_damaged", set())
-        previous = [n for n in ([before["name"], *before.get("previous", [])] if before else [])
+        previous = [n for n in ([before["name"], *before["previous"]] if before else [])
                     if n and n != name and n not in damaged]
         keep = max(keep, MIN_KEEP) if keep > 0 else 0
         previous = previous[: (keep - 1) if keep else HISTORY]

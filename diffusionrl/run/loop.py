@@ -193,15 +193,9 @@ class RunLoop:
 
     def config_changes(self, state: CheckpointState) -> dict[str, dict]:
         """Objective-relevant keys whose value differs from the config the checkpoint was made with
-        (for a checkpoint that predates recording it: the run folder's ``config.json``), then the
-        inputs whose digest differs (``inputs.prompts``, ...: the data changed behind its path)."""
-        saved = state.config
-        if not saved and (self.out_dir / CONFIG_FILE).is_file():
-            try:
-                saved = json.loads((self.out_dir / CONFIG_FILE).read_text())
-            except ValueError:
-                log.warning("%s is not JSON: the config is not compared on this resume", self.out_dir / CONFIG_FILE)
-        changes = config_changes(saved, self.config, self.free_keys) if saved else {}
+        (``state.json``'s ``config``), then the inputs whose digest differs (``inputs.prompts``, ...:
+        the data changed behind its path)."""
+        changes = config_changes(state.config, self.config, self.free_keys)
         return {**changes, **input_changes(state.inputs, self.inputs)}
 
     def record_config_changes(self, path: str | Path, step: int, changes: dict[str, dict]) -> None:

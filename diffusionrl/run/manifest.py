@@ -3,30 +3,21 @@
 ``manifest.json`` is the last file written into a checkpoint folder, before the folder is renamed
 into place (``run.checkpoint.save_checkpoint``) or, on an object store, the last file uploaded
 (``run.folder.RunFolder.publish_checkpoint``). ``verify_checkpoint`` raises ``CheckpointDamaged``,
-naming the folder and the file, when a file is missing, has another size or another hash.
-
-Checkpoints written before manifests existed (``state.json`` format 1, no ``manifest.json``) are
-accepted with a warning after a structural check (``state.json`` parses, every safetensors file is
-as long as its header says): refusing them would strand every run folder written before this
-change, and the check still catches a truncated file. A format-2 checkpoint without its manifest
-is damaged. No torch import here: ``run.folder`` verifies pulled checkpoints with it.
+naming the folder and the file, when a file is missing (the manifest included: a checkpoint without
+one is incomplete), has another size or another hash. No torch import here: ``run.folder``
+verifies pulled checkpoints with it.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import struct
 from pathlib import Path
 
 from diffusionrl.digest import file_sha256
 from diffusionrl.errors import UserError
 
-log = logging.getLogger(__name__)
-
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-LEGACY_FORMAT = 1  # state.json format without a manifest
 
 
 class CheckpointDamaged(UserError):
@@ -65,41 +56,13 @@ def _read_json(path: Path, directory: Path) -> dict:
     return record
 
 
-def _safetensors_complete(path: Path) -> str | None:
-    """Why ``path`` is not a whole safetensors file (its header says how long it is), or None."""
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            if length > size - 8:
-                return f"{size} bytes, shorter than its header (truncated)"
-            header = json.loads(fh.read(length))
-        end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
-    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
-        return f"unreadable safetensors header ({type(exc).__name__})"
-    if size != 8 + length + end:
-        return f"{size} bytes, its header says {8 + length + end} (truncated)"
-    return None
-
-
 def verify_checkpoint(directory: str | Path) -> None:
     """Raise ``CheckpointDamaged`` unless every file of the checkpoint is whole and unchanged."""
     directory = Path(directory)
     manifest = directory / MANIFEST
     if not manifest.is_file():
-        state = directory / "state.json"
-        if not state.is_file():
-            raise CheckpointDamaged(directory, "no state.json and no manifest.json (not a complete checkpoint)")
-        record = _read_json(state, directory)
-        if record.get("format_version", LEGACY_FORMAT) != LEGACY_FORMAT:
-            raise CheckpointDamaged(directory, f"{MANIFEST} is missing (state.json says format "
-                                               f"{record.get('format_version')}, which always has one)")
-        for f in sorted(directory.glob("*.safetensors")):
-            why = _safetensors_complete(f)
-            if why:
-                raise CheckpointDamaged(directory, f"{f.name}: {why}")
-        log.warning("checkpoint %s has no %s (written before checksums): loaded unverified", directory, MANIFEST)
-        return
+        raise CheckpointDamaged(directory, f"{MANIFEST} is missing (written last, so the save or copy did not finish): "
+                                           "copy the whole folder again or resume from another checkpoint")
     files = _read_json(manifest, directory).get("files")
     if not isinstance(files, dict) or "state.json" not in files:
         raise CheckpointDamaged(directory, f"{MANIFEST} lists no state.json")
