@@ -72,7 +72,7 @@ def test_prompt_validator_runs_each_configured_rewards_own_check():
         name = "test_needs_x"
 
         @classmethod
-        def validate_prompts(cls, prompts, metadata=None, source="prompts"):
+        def validate_prompts(cls, prompts, metadata=None, source="prompts", locations=None):
             seen.append((list(prompts), list(metadata), source))
             if any("x" not in p for p in prompts):
                 raise ValueError(f"{source}: a prompt without x")
@@ -89,6 +89,32 @@ def test_prompt_validator_runs_each_configured_rewards_own_check():
             ocr_first([{"prompt": "y"}], "g")
     finally:
         del _REGISTRY["test_needs_x"]
+
+
+def test_a_prompt_check_gets_the_rows_locations_and_one_without_them_is_refused_at_registration():
+    seen = []
+
+    @register_reward("test_located")
+    class Located(Reward):
+        @classmethod
+        def validate_prompts(cls, prompts, metadata=None, source="prompts", locations=None):
+            seen.append(locations)
+
+    try:
+        validate = prompt_validator(RewardConfig(weights={"test_located": 1.0}))
+        validate([{"prompt": "a"}], "f.jsonl", locations=["f.jsonl:3"])
+        validate([{"prompt": "a"}], "builtin:x")
+        assert seen == [["f.jsonl:3"], None]
+    finally:
+        del _REGISTRY["test_located"]
+    with pytest.raises(TypeError, match=r"^reward 'test_unlocated': Unlocated.validate_prompts takes no locations; "
+                                        r"give it Reward.validate_prompts's parameters"):
+        @register_reward("test_unlocated")
+        class Unlocated(Reward):
+            @classmethod
+            def validate_prompts(cls, prompts, metadata=None, source="prompts"):
+                pass
+    assert "test_unlocated" not in _REGISTRY
 
 
 def test_rewards_import_and_prompt_validator_without_torch():

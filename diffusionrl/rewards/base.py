@@ -14,6 +14,7 @@ them on Ray actors and ``factory`` builds the scorer and the prompt check a conf
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -95,13 +96,17 @@ def register_reward(name: str):
     """Class/function decorator registering a reward under ``name``.
 
     A class is built with ``cls.from_config(reward_cfg)`` (a ``Reward`` subclass inherits one) and
-    checks prompts with its ``validate_prompts``; a function is a factory ``factory(reward_cfg) -> Reward``
+    checks prompts with its ``validate_prompts`` (``Reward.validate_prompts``'s parameters, ``locations``
+    included: a ``TypeError`` here otherwise); a function is a factory ``factory(reward_cfg) -> Reward``
     whose rewards check no prompts.
     """
 
     def wrap(factory):
         if name in _REGISTRY:
             raise ValueError(f"reward {name!r} is registered twice")
+        if validates_prompts(factory) and "locations" not in inspect.signature(factory.validate_prompts).parameters:
+            raise TypeError(f"reward {name!r}: {factory.__name__}.validate_prompts takes no locations; give it "
+                            "Reward.validate_prompts's parameters (prompts, metadata=None, source, locations=None)")
         _REGISTRY[name] = factory
         return factory
 

@@ -5,7 +5,6 @@ Neither names a reward: both go through the registry, so a new reward needs no c
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 from .mixture import MixtureReward
@@ -43,9 +42,6 @@ def prompt_validator(reward_cfg) -> Callable[[list[dict], str], None] | None:
     def validate(rows: list[dict], where: str, locations: list[str] | None = None) -> None:
         prompts = [r["prompt"] for r in rows]
         for check in checks:
-            if locations is not None and "locations" in inspect.signature(check).parameters:
-                check(prompts, [r for r in rows], source=where, locations=locations)
-            else:  # a reward written before locations were passed
-                check(prompts, [r for r in rows], source=where)
+            check(prompts, [r for r in rows], source=where, locations=locations)
 
     return validate
