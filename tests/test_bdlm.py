@@ -167,10 +167,12 @@ def test_trace_parquet_round_trip(cfg, model, tmp_path):
     assert len(df) == trace.batch_size and set(df["schema_version"]) == {1} and set(df["step"]) == {3}
     import pyarrow.parquet as pq
 
+    from diffusionrl.trajectory import write_parquet
+
     table = pq.read_table(path)
     meta = dict(table.schema.metadata)
     meta[b"diffusionrl.trace_schema_version"] = b"99"
-    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "step-000004.parquet")
+    write_parquet(table.replace_schema_metadata(meta), tmp_path / "step-000004.parquet")
     with pytest.raises(ValueError, match="schema version 99"):
         read_trace(tmp_path / "step-000004.parquet")
 

@@ -1,8 +1,9 @@
-"""Trajectory Parquet: a round trip, page checksums that catch a file damaged in storage, old files
-without checksums still read."""
+"""Trajectory Parquet: a round trip, page checksums that catch a file damaged in storage, files without
+checksums or of another schema version refused in one line."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -14,9 +15,11 @@ import torch
 from diffusionrl.trajectory import Conditioning, Trajectory
 from diffusionrl.trajectory.store import (
     CorruptParquetFile,
+    UnverifiableParquetFile,
     read_trajectories,
     read_trajectory,
     trajectory_table,
+    write_parquet,
     write_step,
 )
 
@@ -120,10 +123,16 @@ def test_a_truncated_file_fails_in_one_line(tmp_path):
     assert "\n" not in str(err.value) and "(step 7)" in str(err.value)
 
 
-def test_files_written_without_checksums_still_read(tmp_path):
+def test_a_file_without_page_checksums_is_refused_in_one_line(tmp_path):
     traj = scored_trajectory()
     path = tmp_path / "step-000001.parquet"
-    pq.write_table(trajectory_table(traj, run_id="old", step=1, images=False, latents=True), path)  # no checksums
+    pq.write_table(trajectory_table(traj, run_id="r", step=1, images=False, latents=True), path)  # no checksums
+    with pytest.raises(UnverifiableParquetFile) as err:
+        read_trajectory(path)
+    assert isinstance(err.value, CorruptParquetFile) and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"{path} (step 1) has no page checksums, so its bytes cannot be verified")
+    assert "write it again with diffusionrl.trajectory.write_parquet" in str(err.value)
+    pq.write_table(pq.read_table(path), path, write_page_checksum=True, use_dictionary=True)  # dictionary pages first
     assert torch.equal(read_trajectory(path).latents, traj.latents)
 
 
@@ -150,18 +159,17 @@ def test_video_samples_round_trip_in_schema_version_2(tmp_path):
     assert back.conditioning.pooled_embeds.shape == (2, 0)
 
 
-def test_version_1_files_still_read_and_unknown_versions_fail(tmp_path):
-    traj = scored_trajectory()
-    table = trajectory_table(traj, run_id="r", step=1, latents=True)
-    for version, ok in ((1, True), (3, False)):
-        meta = {**table.schema.metadata, b"diffusionrl.schema_version": str(version).encode()}
-        path = tmp_path / f"step-00000{version}.parquet"
-        pq.write_table(table.replace_schema_metadata(meta), path)
-        if ok:
-            assert torch.equal(read_trajectory(path).latents, traj.latents)
-        else:
-            with pytest.raises(ValueError, match="schema version 3"):
-                read_trajectory(path)
+def test_any_other_schema_version_fails_in_one_line(tmp_path):
+    table = trajectory_table(scored_trajectory(), run_id="r", step=1, latents=True)
+    for version in (b"1", b"3", None):
+        meta = {k: v for k, v in table.schema.metadata.items() if k != b"diffusionrl.schema_version"}
+        if version is not None:
+            meta[b"diffusionrl.schema_version"] = version
+        path = write_parquet(table.replace_schema_metadata(meta), tmp_path / "step-000001.parquet")
+        shown = version.decode() if version else "none"
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: trajectory schema version {shown} "
+                                             r"\(diffusionrl.schema_version in its metadata\), this reader reads 2"):
+            read_trajectory(path)
 
 
 # -- the background writer of the train task ------------------------------------------------------------

@@ -1,13 +1,15 @@
 """Trajectory Parquet: one file per RL step, one row per sample (schema in docs/trajectories.md).
 
 Written with pyarrow, readable with plain pandas (``pd.read_parquet(dir)``). The schema version
-is stored in the file's key-value metadata (``diffusionrl.schema_version``) and in a column.
-``read_trajectories`` loads files back into ``Trajectory`` objects for offline re-scoring or
-analysis when the latents (and conditioning) were stored.
+is stored in the file's key-value metadata (``diffusionrl.schema_version``) and in a column;
+``read_trajectory`` reads only ``SCHEMA_VERSION``, the one ``write_step`` writes, and refuses any
+other (or none) in one line naming the file. ``read_trajectories`` loads files back into
+``Trajectory`` objects for offline re-scoring or analysis when the latents (and conditioning) were stored.
 
 Every page carries a CRC32 checksum (``write_parquet``) and the readers verify it
 (``read_parquet``): a file damaged in storage fails with one line naming it (``CorruptParquetFile``)
-instead of giving altered latents. Files written before the checksums still read (nothing to verify).
+instead of giving altered latents, and so does a file whose pages have no checksum
+(``UnverifiableParquetFile``: not written by ``write_parquet``, its bytes cannot be verified).
 Plain pandas verifies too when asked: ``pd.read_parquet(dir, page_checksum_verification=True)``.
 """
 
@@ -28,16 +30,21 @@ from diffusionrl.video import png_bytes
 
 from .batch import Conditioning, Trajectory
 
-# 1: images only. 2: adds video samples (column ``frames_png``; latents [T+1, C, F', H, W]). The
-# reader takes both: a version-1 file is a version-2 file without video columns.
+# The step files' schema (docs/trajectories.md): image or video samples (column ``frames_png``;
+# latents [T+1, C, F', H, W]), the version write_step writes and read_trajectory reads.
 SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
 
 
 class CorruptParquetFile(UserError):
     """A step file cannot be read back intact (failed page checksum, truncated or damaged file)."""
 
     kind = "damaged file"
+
+
+class UnverifiableParquetFile(CorruptParquetFile):
+    """A Parquet file whose pages carry no checksum: its bytes cannot be verified."""
+
+    kind = "unverifiable file"
 
 
 def write_parquet(table: pa.Table, path: str | Path) -> Path:
@@ -62,21 +69,51 @@ def step_of(path: str | Path) -> int | None:
     return int(stem[5:]) if stem.startswith("step-") and stem[5:].isdigit() else None
 
 
+def _page_checksummed(path: str | Path, meta: pq.FileMetaData) -> bool:
+    """Whether the file's first page header carries a CRC32 (every page of a file is written with one setting).
+    The header is Thrift compact: fields 1-3 are i32 (a byte ``0x15`` then a varint each), the CRC is field 4."""
+    if meta.num_row_groups == 0 or meta.num_columns == 0:
+        return True  # no page to verify
+    chunk = meta.row_group(0).column(0)
+    with open(path, "rb") as fh:
+        fh.seek(chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset)
+        header = fh.read(64)
+    field, i = 0, 0
+    while i < len(header) and header[i]:
+        delta, kind = header[i] >> 4, header[i] & 0x0F
+        field += delta
+        if field == 4:
+            return True
+        if delta == 0 or kind != 5 or field > 4:  # a long-form field id, or a field past the CRC's
+            return False
+        i += 1
+        while i < len(header) and header[i] & 0x80:  # the i32's varint
+            i += 1
+        i += 1
+    return False
+
+
 def read_parquet(path: str | Path) -> pa.Table:
-    """Read a whole file, verifying the page checksums it has; damage raises ``CorruptParquetFile``
-    (one line: the file, its step, what pyarrow found)."""
+    """Read a whole file, verifying its page checksums; damage raises ``CorruptParquetFile``
+    (one line: the file, its step, what pyarrow found), pages without checksums ``UnverifiableParquetFile``."""
+    step = step_of(path)
+    where = f" (step {step})" if step is not None else ""
     try:
-        return pq.read_table(path, page_checksum_verification=True)
+        table = pq.read_table(path, page_checksum_verification=True)
+        checksummed = _page_checksummed(path, pq.read_metadata(path))
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
     except (OSError, pa.ArrowException) as exc:  # CRC mismatch, bad footer or thrift, truncated, decompression
-        step = step_of(path)
-        where = f" (step {step})" if step is not None else ""
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise CorruptParquetFile(
             f"{path}{where} is corrupted and cannot be read: {reason}; restore it from a copy or move it "
             "out of the folder"
         ) from None
+    if not checksummed:
+        raise UnverifiableParquetFile(
+            f"{path}{where} has no page checksums, so its bytes cannot be verified (write_parquet checksums every "
+            "page); write it again with diffusionrl.trajectory.write_parquet or move it out of the folder")
+    return table
 
 
 BASE_COLUMNS = [
@@ -231,9 +268,11 @@ def _mask(values: torch.Tensor | None) -> torch.Tensor | None:
 def read_trajectory(path: str | Path) -> Trajectory:
     """One step file back into a ``Trajectory`` (needs the optional latent/embedding columns)."""
     table = read_parquet(path)
-    version = int((table.schema.metadata or {}).get(b"diffusionrl.schema_version", b"0"))
-    if version not in READABLE_VERSIONS:
-        raise ValueError(f"{path}: trajectory schema version {version}, this reader knows {READABLE_VERSIONS}")
+    version = (table.schema.metadata or {}).get(b"diffusionrl.schema_version", b"none").decode()
+    if version != str(SCHEMA_VERSION):
+        raise ValueError(f"{path}: trajectory schema version {version} (diffusionrl.schema_version in its metadata), "
+                         f"this reader reads {SCHEMA_VERSION}, the one write_step writes; write the file again with "
+                         "write_step, or read it with pyarrow / pandas")
     if "latents" not in table.column_names:
         raise ValueError(
             f"{path} was written without latents; re-score it from its images (column image_png) or "
