@@ -9,6 +9,8 @@ import re
 import pytest
 import torch
 
+from diffusionrl.errors import UserError
+from diffusionrl.models.families import UnknownModelFamily
 from diffusionrl.serving.model_card import editing_family, render_card, version_description, write_card
 
 from .conftest import tiny_config
@@ -54,11 +56,9 @@ def test_a_card_says_what_the_lora_is_and_how_to_load_it():
     assert 'StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium", revision="b940f670")' \
         in peft and "PeftModel.from_pretrained(pipe.transformer," in peft
     assert "diffusers_adapter_dir(" in diffusers and "pipe.load_lora_weights(" in diffusers
-    # the run's text length, not the SD3 pipeline's default 256 (a card without it: the pipeline's default)
+    # the run's text length, not the SD3 pipeline's default 256
     assert sample.strip() == 'image = pipe("a photo of a cat", max_sequence_length=128).images[0]'
     assert "not the pipeline's default, 256" in card
-    no_length = {k: v for k, v in INFO.items() if k != "max_sequence_length"}
-    assert python_blocks(render_card(no_length))[2].strip() == 'image = pipe("a photo of a cat").images[0]'
     assert 'mlflow.pyfunc.load_model("models:/sd35m-ocr@champion")' in served
     assert render_card(INFO) == card  # nothing in it changes from one call to the next
 
@@ -97,7 +97,7 @@ def test_every_familys_sampling_call_takes_the_runs_text_length():
         assert "max_sequence_length=128)" in sample, (adapter.family, sample)
         assert ("image=load_image(" in sample) == adapter.editing and (".frames[0]" in sample) == adapter.video
     assert pipeline_seq_len("StableDiffusionPipeline") is None and pipeline_seq_len("NoSuchPipeline") is None
-    card = render_card({**INFO, "family": "sd", "pipeline_class": "StableDiffusionPipeline"})
+    card = render_card({**INFO, "pipeline_class": "StableDiffusionPipeline"})  # its call takes no text length
     assert python_blocks(card)[2].strip() == 'image = pipe("a photo of a cat").images[0]'
 
 
@@ -113,7 +113,8 @@ def test_an_editing_models_card_serves_an_instruction_with_its_image():
         assert ("calculate_dimensions(1024 * 1024" in card) == (family == "qwen-image-edit-v1")
         assert ("area_bound_call" in card) == family.startswith("qwen-image-edit")
     assert front_matter(render_card(INFO))["pipeline_tag"] == "text-to-image"
-    assert not editing_family("") and not editing_family("sd15")  # no recorded family, or another library's
+    with pytest.raises(UnknownModelFamily, match=r"^unknown model family 'sd15'; the families are \["):
+        editing_family("sd15")
     assert '"image"' not in python_blocks(render_card(INFO))[-1]
 
 
@@ -124,6 +125,22 @@ def test_version_description_names_base_objective_reward_steps_scores_and_run():
         assert fact in text, fact
     assert "not evaluated" in version_description(INFO, None, "run123")
     assert "Held-out reward 0.5 (base not recorded)" in version_description(INFO, {"eval/reward_mean": 0.5}, "r")
+
+
+def test_registering_needs_every_fact_the_trainer_records_beside_the_lora(tmp_path):
+    """``registry.lora_info`` reads ``diffusionrl.json`` as the trainer writes it: a folder without it, or
+    without one of its keys, is refused in one line naming the file and what to register instead."""
+    from diffusionrl.serving.registry import lora_info
+
+    path = tmp_path / "diffusionrl.json"
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))}: no such file; register a LoRA folder this "
+                                        r"version's trainer saved \(a run's <out>/lora\)"):
+        lora_info(tmp_path)
+    path.write_text(json.dumps({k: v for k, v in INFO.items() if k not in ("family", "max_sequence_length")}))
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))} records no family, max_sequence_length; register"):
+        lora_info(tmp_path)
+    path.write_text(json.dumps(INFO))
+    assert lora_info(tmp_path) == INFO
 
 
 @pytest.mark.usefixtures("one_torch_thread")

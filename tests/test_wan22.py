@@ -175,7 +175,7 @@ def test_a_two_expert_lora_registers_and_serves_as_the_local_pipeline_with_it(tm
         policy = lp.backend.worker.policy
         gen = torch.Generator().manual_seed(1)  # a LoRA that changes the output (peft's init has B = 0)
         policy.load_lora_state({n: 0.05 * torch.randn(v.shape, generator=gen) for n, v in policy.lora_state().items()})
-        lora, _ = lp.backend.worker.save_lora(tmp_path / "out", {"base_model": str(base), "step": 1})
+        lora, _ = lp.backend.save_outputs(1)  # the run's lora/ with the diffusionrl.json it records
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
     experiment = client.create_experiment("wan22", artifact_location=str(tmp_path / "artifacts"))
@@ -225,7 +225,7 @@ def test_the_cards_of_a_two_expert_lora_load_it_as_written(tmp_path, monkeypatch
         policy = lp.backend.worker.policy
         gen = torch.Generator().manual_seed(1)
         policy.load_lora_state({n: 0.05 * torch.randn(v.shape, generator=gen) for n, v in policy.lora_state().items()})
-        folder, _ = lp.backend.worker.save_lora(tmp_path / "out", {"base_model": TINY_WAN22_REF, "step": 1})
+        folder, _ = lp.backend.save_outputs(1)
     info = json.loads((folder / "diffusionrl.json").read_text())
     assert info["lora_experts"] == (["high", "low"] if experts == "both" else ["high"])
     registered = diffusers_adapter_dir(folder, tmp_path / "registered", "WanPipeline")

@@ -2,13 +2,13 @@
 
 ``render_card(info, results)`` is pure: ``info`` is what the trainer records beside the adapter
 (``diffusionrl.json``: ``base_model``, ``base_model_revision``, ``base_model_digest``, ``step``,
-``algorithm``, ``config_digest``, and where known ``family``, ``pipeline_class``, ``reward``,
-``max_sequence_length`` (the run's ``model.max_sequence_length``), ``registered_model``, ``sft_source``,
-``ema_decay``, ``world_size``, and for a LoRA of Wan2.2's two experts ``lora_experts``: ``high`` and/or
-``low``), ``results`` the held-out evaluation's summary (``evaluation.evaluate_lora``: ``eval/reward_mean``,
-``eval/base_reward_mean``, ...) or ``None`` when the folder is written before it is evaluated. Nothing in a
-card depends on the time or on where the folder lies, so a resumed run writes the same card as an uninterrupted
-one.
+``algorithm``, ``config_digest``, ``family``, ``pipeline_class``, ``max_sequence_length`` (the run's
+``model.max_sequence_length``), ``registered_model``, an RL run's ``reward`` or an SFT run's ``sft_source``,
+where they apply ``ema_decay`` and ``world_size``, and for a LoRA of Wan2.2's two experts ``lora_experts``:
+``high`` and/or ``low``), ``results`` the held-out evaluation's summary (``evaluation.evaluate_lora``:
+``eval/reward_mean``, ``eval/base_reward_mean``, ...) or ``None`` when the folder is written before it is
+evaluated. Nothing in a card depends on the time or on where the folder lies, so a resumed run writes the same
+card as an uninterrupted one.
 
 Two layouts: ``peft`` (a run's ``lora/``: ``adapter_model.safetensors`` + ``adapter_config.json``)
 and ``diffusers`` (the registered model's adapter, ``lora_export.diffusers_adapter_dir``:
@@ -63,19 +63,15 @@ def result_rows(results: dict) -> list[tuple[str, float, float]]:
 
 
 def _reward_text(info: dict) -> str:
-    reward = info.get("reward")
-    if reward:
-        return ", ".join(f"`{name}` {_fmt(float(w))}" for name, w in sorted(reward.items()))
-    if info.get("sft_source"):
-        return f"none (supervised on `{info['sft_source']}`)"
-    return "not recorded"
+    if "reward" in info:  # an RL run's weights; an SFT run records its pairs instead
+        return ", ".join(f"`{name}` {_fmt(float(w))}" for name, w in sorted(info["reward"].items()))
+    return f"none (supervised on `{info['sft_source']}`)"
 
 
 def _snippet(info: dict, imports: list[str], body: list[str]) -> list[str]:
     """A Python block: the base pipeline (plain diffusers for a hub id or folder, diffusionrl's
     loader for a built-in model), then ``body``."""
-    base, revision = info["base_model"], info.get("base_model_revision") or ""
-    pipeline = info.get("pipeline_class") or "DiffusionPipeline"
+    base, revision, pipeline = info["base_model"], info["base_model_revision"], info["pipeline_class"]
     if base.startswith("builtin:"):
         head = ["from diffusionrl.models.families import load_pipeline"]
         load = f"pipe = load_pipeline({json.dumps(base)})  # a diffusionrl built-in model"
@@ -87,13 +83,11 @@ def _snippet(info: dict, imports: list[str], body: list[str]) -> list[str]:
 
 
 def editing_family(family: str) -> bool:
-    """Whether ``family`` (a ``diffusionrl.json`` ``family``) edits an input image (FLUX.1 Kontext, Qwen-Image-Edit)."""
-    from diffusionrl.models.families import UnknownModelFamily, adapter_for_family
+    """Whether ``family`` (a ``diffusionrl.json`` ``family``) edits an input image (FLUX.1 Kontext, Qwen-Image-Edit);
+    a name that is no model family is ``UnknownModelFamily`` (one line naming the families)."""
+    from diffusionrl.models.families import adapter_for_family
 
-    try:
-        return adapter_for_family(family).editing
-    except UnknownModelFamily:  # a folder written before diffusionrl.json recorded its family (""), or another's
-        return False
+    return adapter_for_family(family).editing
 
 
 @functools.lru_cache(maxsize=32)
@@ -114,13 +108,13 @@ def pipeline_seq_len(pipeline_class: str) -> int | None:
 def _sampling(info: dict) -> list[str]:
     """One sampling call with the loaded ``pipe``: the prompt encoded at the run's ``max_sequence_length`` where
     the pipeline's ``__call__`` takes one (the run encoded every prompt at it in training and evaluation)."""
-    family = info.get("family") or ""
+    family = info["family"]
     editing = editing_family(family)
-    seq, default = info.get("max_sequence_length"), pipeline_seq_len(info.get("pipeline_class") or "")
+    seq, default = info["max_sequence_length"], pipeline_seq_len(info["pipeline_class"])
     args = [json.dumps("make the square blue" if editing else "a photo of a cat")]
     if editing:
         args.append(f"image=load_image({json.dumps(_INPUT)})")
-    if seq and default is not None:
+    if default is not None:  # a pipeline class whose __call__ takes no max_sequence_length gets none
         args.append(f"max_sequence_length={int(seq)}")
         text = (f"Then sample with `pipe` (either way), `max_sequence_length` at the run's {int(seq)} "
                 f"(`model.max_sequence_length`, which it trained and evaluated with, not the pipeline's default, "
@@ -145,10 +139,10 @@ _FIXED_INPUT_AREA = {
 
 def _served(info: dict) -> list[str]:
     """The registered MLflow model's snippet: a prompt (and an editing model's input image) -> PNG or GIF bytes."""
-    name = info.get("registered_model") or "<registered model>"
-    output = "GIF" if info.get("family") == "wan" else "PNG"
+    name = info["registered_model"]
+    output = "GIF" if info["family"] == "wan" else "PNG"
     load = f'model = mlflow.pyfunc.load_model("models:/{name}@champion")  # or models:/{name}/<version>'
-    if not editing_family(info.get("family") or ""):
+    if not editing_family(info["family"]):
         return [f"As the registered MLflow model (base weights and adapter together; it returns {output} bytes):", "",
                 "```python", "import mlflow", "import pandas as pd", "", load,
                 'images = model.predict(pd.DataFrame({"prompt": ["a photo of a cat"]}))', "```"]
@@ -158,7 +152,7 @@ def _served(info: dict) -> list[str]:
              "```python", "from pathlib import Path", "", "import mlflow", "import pandas as pd", "", load,
              f"image = Path({json.dumps(_INPUT)}).read_bytes()  # the image to edit (PNG, JPEG, ...)",
              'edits = model.predict(pd.DataFrame({"prompt": ["make the square blue"], "image": [image]}))', "```"]
-    fixed = _FIXED_INPUT_AREA.get(info.get("pipeline_class") or "")
+    fixed = _FIXED_INPUT_AREA.get(info["pipeline_class"])
     if fixed:
         lines += ["", f"The stock `{info['pipeline_class']}` {fixed} whatever the output size; this LoRA was trained "
                       "with it at the output's area, which the registered model serves (diffusionrl's "
@@ -183,7 +177,7 @@ def _peft_experts(folder: str) -> list[str]:
 
 
 def _loading(info: dict, layout: str) -> list[str]:
-    pipeline = json.dumps(info.get("pipeline_class") or "DiffusionPipeline")
+    pipeline = json.dumps(info["pipeline_class"])
     here = json.dumps(_PLACEHOLDER)
     experts = info.get("lora_experts") or []
     lines = ["## How to load it", ""]
@@ -228,9 +222,8 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
     if layout not in (PEFT, DIFFUSERS):
         raise ValueError(f"layout {layout!r}: {PEFT} or {DIFFUSERS}")
     base = info["base_model"]
-    algorithm = info.get("algorithm", "")
-    family = info.get("family") or ""
-    tags = ["lora", "diffusionrl", *(t for t in (algorithm, family) if t)]
+    algorithm, family = info["algorithm"], info["family"]
+    tags = ["lora", "diffusionrl", algorithm, family]
     front = ["---"]
     card_base = _card_base_model(base)
     if card_base:
@@ -238,7 +231,7 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
     tag = "text-to-video" if family == "wan" else "image-to-image" if editing_family(family) else "text-to-image"
     front += [f"library_name: {layout}", f"pipeline_tag: {tag}",
               "tags:", *(f"- {json.dumps(t)}" for t in tags), "---", ""]
-    revision = info.get("base_model_revision") or ""
+    revision = info["base_model_revision"]
     what = [
         f"# LoRA for {base}, trained with {_what(algorithm, algorithm)}", "",
         f"A LoRA adapter for the transformer of `{base}`, written by diffusionrl "
@@ -246,15 +239,12 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
         "## What it is", "",
         f"- Base model: `{base}`" + (f" at revision `{revision}`" if revision else " (default revision)"),
         f"- Base weights digest (SHA-256 of the loaded weights' tensors, every component; not the file digest "
-        f"a registered version's `base_model_digest` tag holds): `{info.get('base_model_digest', 'not recorded')}`",
-    ]
-    if family or info.get("pipeline_class"):
-        what.append(f"- Family: {family or '?'} (`{info.get('pipeline_class') or '?'}`)")
-    what += [
+        f"a registered version's `base_model_digest` tag holds): `{info['base_model_digest']}`",
+        f"- Family: {family} (`{info['pipeline_class']}`)",
         f"- Objective: `{algorithm}`, {_what(algorithm, 'see docs/algorithms.md')}",
         f"- Reward weights: {_reward_text(info)}",
-        f"- Training steps: {info.get('step', '?')}",
-        f"- Config digest: `{info.get('config_digest', 'not recorded')}` (the run folder's `config.json`)",
+        f"- Training steps: {info['step']}",
+        f"- Config digest: `{info['config_digest']}` (the run folder's `config.json`)",
     ]
     if "ema_decay" in info:
         what.append(f"- Weights: the exponential moving average of the LoRA (decay {_fmt(info['ema_decay'])})")
@@ -284,11 +274,10 @@ def render_card(info: dict, results: dict | None = None, layout: str = PEFT) -> 
 def version_description(info: dict, results: dict | None, run_id: str) -> str:
     """A registered version's one-paragraph description: base model, objective, reward, steps,
     held-out score against the base model's, run id."""
-    base = info["base_model"]
-    revision = info.get("base_model_revision") or ""
+    base, revision = info["base_model"], info["base_model_revision"]
     text = (f"LoRA of {base}{'@' + revision if revision else ''} "
-            f"(weights {str(info.get('base_model_digest', '?'))[:16]}), {info.get('algorithm', '?')}, "
-            f"reward {_reward_text(info).replace('`', '')}, {info.get('step', '?')} steps. ")
+            f"(weights {str(info['base_model_digest'])[:16]}), {info['algorithm']}, "
+            f"reward {_reward_text(info).replace('`', '')}, {info['step']} steps. ")
     if results and "eval/reward_mean" in results and "eval/base_reward_mean" in results:
         tuned, base_score = results["eval/reward_mean"], results["eval/base_reward_mean"]
         text += f"Held-out reward {_fmt(tuned)} vs base {_fmt(base_score)} ({tuned - base_score:+.4g}"

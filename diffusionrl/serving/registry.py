@@ -162,31 +162,31 @@ def register(run: TrackingRun, cfg, model_info, score: float, key: str, lineage:
     )
 
 
-def lora_info(cfg, lora_dir: str | Path, model_path: str, model_digest: str) -> dict:
-    """What the trainer recorded beside the LoRA (``diffusionrl.json``), completed from the config
-    for a folder written before it recorded the family (the model card's and description's facts)."""
+# What every saved LoRA's diffusionrl.json records (the run loop's ``save_outputs`` and ``model_card.adapter_facts``)
+LORA_INFO_KEYS = ("base_model", "base_model_revision", "base_model_digest", "step", "algorithm", "config_digest",
+                  "family", "pipeline_class", "max_sequence_length", "registered_model")
+
+
+def lora_info(lora_dir: str | Path) -> dict:
+    """What the trainer recorded beside the LoRA (``diffusionrl.json``: the model card's and
+    description's facts, ``LORA_INFO_KEYS`` and, for a two-expert LoRA, ``lora_experts``); a folder
+    without it, or without one of those keys, is refused in one line naming the file."""
     import json
 
-    from diffusionrl.models.families import adapter_class
+    from diffusionrl.errors import UserError
 
-    from .model_card import adapter_facts
-
-    recorded = Path(lora_dir) / "diffusionrl.json"
-    info = json.loads(recorded.read_text()) if recorded.is_file() else {}
-    if not info.get("pipeline_class"):
-        family = adapter_class(model_path or cfg.model.name, cfg.model.revision)
-        info = {**adapter_facts(cfg, family.family, family.pipeline_class), **info}
-    if "lora_experts" not in info and (Path(lora_dir) / "adapter_model.safetensors").is_file():
-        from .lora_export import lora_experts
-
-        experts = lora_experts(lora_dir)  # a folder written before diffusionrl.json recorded them
-        if experts:
-            info = {**info, "lora_experts": experts}
-    defaults = {"base_model": cfg.model.name, "base_model_revision": cfg.model.revision,
-                "base_model_digest": model_digest, "algorithm": cfg.algorithm.name, "step": cfg.train.steps,
-                "config_digest": cfg.digest(), "registered_model": cfg.tracking.registered_model,
-                "max_sequence_length": cfg.model.max_sequence_length}  # a folder written before it was recorded
-    return {**defaults, **info}
+    path = Path(lora_dir) / "diffusionrl.json"
+    fix = "register a LoRA folder this version's trainer saved (a run's <out>/lora), which records them all"
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file; {fix}") from None
+    except ValueError as exc:
+        raise UserError(f"{path} is not JSON ({exc}); {fix}") from None
+    missing = [k for k in LORA_INFO_KEYS if k not in info] if isinstance(info, dict) else list(LORA_INFO_KEYS)
+    if missing:
+        raise UserError(f"{path} records no {', '.join(missing)}; {fix}")
+    return info
 
 
 def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, model_digest: str,
@@ -205,7 +205,7 @@ def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, 
 
     from .model_card import DIFFUSERS, render_card, version_description
 
-    facts = lora_info(cfg, lora_dir, model_path, model_digest)
+    facts = lora_info(lora_dir)
     score, base_score = champion_scores(cfg, summary)
     results = summary
     card = render_card(facts, results, layout=DIFFUSERS)
