@@ -41,6 +41,19 @@ def test_a_few_steps_lower_both_losses_and_a_rerun_resumes(tmp_path):
         main(args + ["--transformer-steps", "50", "--seed", "1"])
 
 
+def test_a_state_without_a_recorded_setting_is_refused_in_one_line(tmp_path):
+    args = ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "w.safetensors"), "--vae-steps", "2",
+            "--transformer-steps", "0", *FEW]
+    main(args)
+    state = tmp_path / "work" / "state.pt"
+    saved = torch.load(state, weights_only=False)
+    del saved["args"]["world"], saved["args"]["own_caption"]
+    torch.save(saved, state)
+    with pytest.raises(SystemExit, match=r"state.pt records no own_caption, world, settings a --work binds; use "
+                                         r"another --work$"):
+        main(args)
+
+
 def test_fresh_scenes_each_step_resume_to_the_uninterrupted_weights(tmp_path):
     """--fresh draws and encodes new scenes every step (seeded by the step), so an interrupted run resumes
     to the same weights as one that was not, and they differ from training on the bank."""

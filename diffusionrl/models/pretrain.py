@@ -21,8 +21,9 @@ and when the process is told to stop, e.g. by ``timeout``; a re-run with the sam
    encoded scenes, conditioned on the text encoders' embeddings of each scene's caption (a
    ``--cfg-dropout`` share replaced by the empty prompt's, so that classifier-free guidance works); an
    exponential moving average of their weights (``--ema``) is what is exported. With ``--fresh`` every
-   step draws and encodes new scenes instead (seeded by the step, so a resume repeats them; ~1.5x the
-   time a step): no scene is seen twice, and the bank only gives the latents' mean and std.
+   step draws and encodes new scenes instead (seeded by the step, so a resume repeats them; a slower
+   step: bench/README.md, "Sharpening and transfer"): no scene is seen twice, and the bank only gives
+   the latents' mean and std.
 
 ``curves.jsonl`` gets one line per ``--log-every`` steps (stage, step, mean loss, wall seconds),
 ``summary.json`` the wall time and final losses, ``--out`` the weights (safetensors; by default the
@@ -61,7 +62,6 @@ from diffusionrl.data.shapes import (
 from .tiny_shapes import MAX_SEQUENCE_LENGTH, SCHEDULER_SHIFT, SHAPES_WEIGHTS, TRAINED, build_shapes_pipeline
 
 log = logging.getLogger("diffusionrl.pretrain")
-
 
 TRANSFORMER_ARGS = ("lr", "bank", "cfg_dropout", "ema", "fresh", "own_caption")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -164,12 +164,13 @@ class Pretrainer(Checkpointed):
             return
         saved = torch.load(path, weights_only=False)
         fixed = self._fixed_args()
+        if missing := sorted(set(fixed) - set(saved["args"])):  # save() records every setting
+            raise SystemExit(f"{path} records no {', '.join(missing)}, settings a --work binds; use another --work")
         if not saved["state"]["tr_step"]:  # the transformer's settings bind once its stage has started
             fixed = {k: v for k, v in fixed.items() if k not in TRANSFORMER_ARGS}
-        changed = sorted(k for k in fixed if saved["args"].get(k) != fixed[k])
-        if changed:
+        if changed := sorted(k for k in fixed if saved["args"][k] != fixed[k]):
             raise SystemExit(f"{path} was written with other settings ({', '.join(changed)}: "
-                             f"{[saved['args'].get(k) for k in changed]}); use them or another --work")
+                             f"{[saved['args'][k] for k in changed]}); use them or another --work")
         self.vae.load_state_dict(saved["vae"])
         self.vae_opt.load_state_dict(saved["vae_opt"])
         self.state = saved["state"]
