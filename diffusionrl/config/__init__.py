@@ -8,7 +8,8 @@
   ``data``, ``tracking``), every default with its help text and its one-section checks;
 - ``objectives``: one block per objective (its own ``algorithm.*`` keys, flags and checks, its record
   in ``OBJECTIVES``) and ``check_objective_fit``;
-- ``presets``: the named presets as change sets over the defaults (data only, no schema);
+- ``presets``: ``PRESETS``, the named presets as change sets over the defaults (data only, no schema), from
+  ``presets_tiny`` (every ``tiny-cpu*`` preset, over ``TINY_CPU``) and ``presets_gpu`` (the GPU recipes);
 - ``tree``: the schema-free machinery ``Config`` and ``bdlm.BDLMConfig`` share (``option`` fields,
   checks, the dict round trip, YAML/JSON files, dotted overrides, ``ConfigError``).
 

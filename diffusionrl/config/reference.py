@@ -168,8 +168,8 @@ def reference() -> str:
         "",
         "### Image presets",
         "",
-        "Each preset's main settings (`diffusionrl/config/presets.py`, `presets_ext.py`); its full tree is "
-        "`configs/<preset>.yaml`.",
+        "Each preset's main settings (`diffusionrl/config/presets.py`: the tiny CPU ones in `presets_tiny.py`, "
+        "the GPU recipes in `presets_gpu.py`); its full tree is `configs/<preset>.yaml`.",
         "",
         *_presets(),
         "",
