@@ -264,18 +264,17 @@ class BDLMConfig(ConfigTree):
 
 def _tiny_bdlm() -> dict[str, Any]:
     # Sort 3-6 digit strings with a 0.27 M-parameter model. (Reverse is too easy with a
-    # left-padded prompt: it is a fixed positional copy, learnt perfectly in 100 SFT steps; add
-    # with most-significant-first answers does not move in 600.) The warm start is kept short on
-    # purpose (150 steps: ~30-40 % greedy exact match) so that groups have reward variance and
-    # GRPO has room to add a clear margin within ~2 minutes on one CPU thread
-    # (bench/bdlm_learning.py).
+    # left-padded prompt: it is a fixed positional copy; add with most-significant-first answers
+    # does not move within minutes.) The warm start is kept short on purpose (150 steps) so that
+    # groups have reward variance and GRPO has room to add a clear margin (bench/README.md,
+    # "Block-diffusion LMs").
     return {"task": {"kind": "sort"}, "warm_start": {"steps": 150}, "grpo": {"steps": 60}}
 
 
 def _tiny_diffusiongemma(objective: str = "grpo", **grpo: Any):
     # Sort 3-6 digits with a ~0.2 M-parameter DiffusionGemma (2 layers, 4 experts) sampled through
-    # the stock DiffusionGemmaPipeline: canvases of 4, 4 denoising steps each. 800 uniform-corruption
-    # SFT steps (~80 s on one thread) give ~25 % greedy exact match (bench/bdlm_learning.py).
+    # the stock DiffusionGemmaPipeline: canvases of 4, 4 denoising steps each, after 800 uniform-corruption
+    # SFT steps (what they reach: bench/README.md, "Block-diffusion LMs").
     def changes() -> dict[str, Any]:
         return {
             "model": {"name": "builtin:tiny-diffusiongemma", "dim": 64, "layers": 2, "heads": 2, "ff_dim": 128,
