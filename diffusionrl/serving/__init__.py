@@ -20,8 +20,7 @@
 
 The names other modules import are re-exported here, but for ``request_limits`` and the video
 model's modules: ``video_model`` defines a pyfunc model class, which makes MLflow warn at import, so
-it is imported only to log or load a video model, as before (``video_pyfunc`` is what MLflow
-executes then).
+it is imported only to log or load a video model (``video_pyfunc`` is what MLflow executes then).
 """
 
 from .champion import (
