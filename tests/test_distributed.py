@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import tiny_config
+from tests.conftest import run_interrupted_and_uninterrupted, saved_lora, tiny_config
 
 ray = pytest.importorskip("ray")
 
@@ -54,7 +54,7 @@ def test_placement_layout_on_cpu_bundles(ray_cluster):
         split.remove()
 
 
-def _ranks(cfg):
+def _ranks(cfg, world_size: int = 2):
     from diffusionrl.distributed.group import node_address_and_port
     from diffusionrl.distributed.placement import build_placement
     from diffusionrl.distributed.worker import TrainerRank
@@ -62,72 +62,115 @@ def _ranks(cfg):
     placement = build_placement(cfg.train)
     addr, port = node_address_and_port()
     cls = ray.remote(TrainerRank)
-    ranks = [cls.options(**placement.trainer_options(r, cfg.train)).remote(cfg.to_dict(), r, 2, addr, port)
-             for r in range(2)]
+    ranks = [cls.options(**placement.trainer_options(r, cfg.train)).remote(cfg.to_dict(), r, world_size, addr, port)
+             for r in range(world_size)]
     return placement, ranks
 
 
-# Every family's block stacks become FSDP units (distributed/fsdp.block_units): SD3, FLUX.1's two stacks,
-# Wan's ``blocks``, Wan2.2's two experts' ``blocks``. On tiny-wan22 (timesteps 1000, 858, 602, 9: step 0 on the
-# high-noise expert, the rest on the low-noise one) rank 0 trains steps 0 and 1 (high, low), rank 1 steps 1 and
-# 2 (low, low): in plan order rank 0's high-noise unit would meet a low-noise one of rank 1 in the same
-# all-gathers (same shapes: wrong weights, no error); worker.aligned_work runs every rank's high-noise units
-# first (rank 1 pads one), then the low-noise ones (rank 0 pads one). With the LoRA on the high-noise expert
-# alone, no low-noise unit has a loss to backpropagate: every rank skips those backwards together.
-@pytest.mark.parametrize("preset,experts", [("tiny-cpu", "both"), ("tiny-cpu-flux", "both"), ("tiny-cpu-wan", "both"),
-                                            ("tiny-cpu-wan22", "both"), ("tiny-cpu-wan22", "high")])
-def test_two_gloo_fsdp_ranks_give_one_process_gradient(ray_cluster, preset, experts):
-    from diffusionrl.distributed.shards import assign_blocks, select_samples
-    from diffusionrl.distributed.worker import grpo_plan
-    from diffusionrl.models import load_adapter
+# Each objective's own algorithm keys over the family preset (the model section stays the family's, so
+# one group of ranks serves every objective: TrainerRank.reset). kl_beta > 0 runs the reference forwards
+# too; dppo's two minibatches make the first optimizer step a shuffled half of the batch.
+OBJECTIVES = {
+    "flow_grpo": ["algorithm.kl_beta=0.04"],
+    "grpo_guard": ["algorithm.name=grpo_guard", "train.minibatches=2"],
+    "dppo": ["algorithm.name=dppo", "algorithm.kl_beta=0", "train.minibatches=2"],
+    "nft": ["algorithm.name=nft", "algorithm.kl_beta=0.0001", "train.minibatches=2"],
+    "awm": ["algorithm.name=awm", "algorithm.kl_beta=0.001", "algorithm.kl_space=v"],
+    "dpo": ["algorithm.name=dpo", "algorithm.kl_beta=0", "algorithm.dpo_pairs=all", "algorithm.dpo_beta=5"],
+}
+
+
+def _scored_batch(cfg, adapter, policy, ode: bool):
+    """8 samples of 2 prompt groups, scored with spread advantages; the two groups train different SDE steps."""
     from diffusionrl.rollout.base import SamplingSpec
     from diffusionrl.rollout.local import LocalRolloutEngine
-    from diffusionrl.training.flow_grpo import FlowGRPOObjective
+
+    engine = LocalRolloutEngine(adapter, policy.engine_copy(), cfg.train.micro_batch_size)
+    b, k = 8, cfg.train.group_size
+    mask = np.zeros((b, cfg.sampling.num_steps), dtype=bool)
+    mask[:4, 0:2] = True
+    mask[4:, 1:3] = True
+    spec = SamplingSpec.from_config(cfg, **({"sde_type": "ode"} if ode else {}))
+    traj = engine.generate([f"a red cat {i // k}" for i in range(b)], torch.arange(b) // k,
+                           torch.arange(b) + 100, spec, mask, None)
+    adv = torch.tensor([-1.5, 0.3, 2.0, -0.2, 0.9, -1.1, 0.1, 1.4])
+    return traj.with_rewards(adv.clone(), {}, adv), torch.ones(b, dtype=torch.bool)
+
+
+def _one_process_gradient(cfg, policy, start, traj, active) -> dict[str, torch.Tensor]:
+    """The gradient of the first optimizer step of the objective's own train_step, in this process."""
+    from diffusionrl.training.objective import build_objective
+    from diffusionrl.training.trainer import Trainer
+
+    class FirstGradient(Trainer):
+        grads: dict = {}
+
+        def apply(self, units, stats, prefix=""):
+            if not self.grads:
+                self.optimizer.zero_grad(set_to_none=True)
+                assert self.accumulate(list(units), stats, prefix)
+                self.grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                              for n, p in self.policy.params.items()}
+            return False
+
+    policy.load_lora_state(start)
+    trainer = FirstGradient(cfg, policy)
+    build_objective(cfg, policy).train_step(trainer, traj, active, 0)
+    return trainer.grads
+
+
+# Every family's block stacks become FSDP units (distributed/fsdp.block_units): SD3, FLUX.1's two stacks,
+# Wan's ``blocks``, Wan2.2's two experts' ``blocks``. Every objective runs its own train_step on every rank
+# over the whole scored batch, each rank computing its share of the units (worker.deal): the gradient of
+# 2 and 4 ranks is one process's. On tiny-wan22 (timesteps 1000, 858, 602, 9: step 0 on the high-noise
+# expert, the rest on the low-noise one) the units run grouped by expert, every rank the same count of each
+# (padded), so no all-gather pairs one expert's block with the other's; with the LoRA on the high-noise
+# expert alone no low-noise unit has a loss to backpropagate, and every rank skips those backwards together.
+@pytest.mark.parametrize("preset,world_size,objectives,experts", [
+    ("tiny-cpu", 2, tuple(OBJECTIVES), "both"),
+    ("tiny-cpu", 4, tuple(OBJECTIVES), "both"),
+    ("tiny-cpu-flux", 2, tuple(OBJECTIVES), "both"),
+    ("tiny-cpu-wan", 2, tuple(OBJECTIVES), "both"),
+    ("tiny-cpu-wan22", 2, ("flow_grpo", "grpo_guard"), "both"),
+    ("tiny-cpu-wan22", 2, ("flow_grpo",), "high"),
+])
+def test_fsdp_ranks_give_one_process_gradient_for_every_objective(ray_cluster, preset, world_size, objectives,
+                                                                  experts):
+    from diffusionrl.models import load_adapter
     from diffusionrl.training.policy import LoraPolicy
-    from diffusionrl.training.trainer import Trainer, UpdateStats
 
-    cfg = tiny_config(*DIST, f"model.lora_experts={experts}", preset=preset)  # both: every model's default
-    placement, ranks = _ranks(cfg)  # the actors start while this process builds its own copy
+    dist = [f"train.world_size={world_size}", "train.rollout_engines=1", f"model.lora_experts={experts}"]
+    cfgs = {name: tiny_config(*dist, *OBJECTIVES[name], preset=preset) for name in objectives}
+    first = cfgs[objectives[0]]
+    placement, ranks = _ranks(first, world_size)  # the actors start while this process builds its own copy
     try:
-        torch.manual_seed(cfg.train.seed)
-        adapter = load_adapter(cfg.model)
-        policy = LoraPolicy(adapter, cfg.model, seed=cfg.train.seed)
-        engine = LocalRolloutEngine(adapter, policy.engine_copy(), cfg.train.micro_batch_size)
-        b, k = 8, cfg.train.group_size
-        mask = np.zeros((b, cfg.sampling.num_steps), dtype=bool)
-        mask[:4, 0:2] = True  # the two groups train different steps: the ranks run different units
-        mask[4:, 1:3] = True
-        traj = engine.generate([f"a red cat {i // k}" for i in range(b)], torch.arange(b) // k,
-                               torch.arange(b) + 100, SamplingSpec.from_config(cfg), mask, None)
-        adv = torch.linspace(-1.5, 2.0, b)
-        traj = traj.with_rewards(adv.clone(), {}, adv)
-        active = torch.ones(b, dtype=torch.bool)
-        plan = grpo_plan(traj, active, cfg.train, step=0)
+        torch.manual_seed(first.train.seed)
+        adapter = load_adapter(first.model)
+        policy = LoraPolicy(adapter, first.model, seed=first.train.seed)
+        start = policy.lora_state()
+        batches = {ode: _scored_batch(first, adapter, policy, ode) for ode in (False, True)}
+        ray.get([r.mark_start.remote() for r in ranks])
+        refs = {}
+        for name, cfg in cfgs.items():
+            from diffusionrl.config import objective
 
-        # one process: every unit of the optimizer step, sum / total count
-        objective, trainer = FlowGRPOObjective(cfg, policy), Trainer(cfg, policy)
-        rng = np.random.default_rng(0)
-        units = objective.units(traj, traj.micro_batches(), active, rng)
-        trainer.optimizer.zero_grad(set_to_none=True)
-        assert trainer.accumulate(units, UpdateStats())
-        ref = {n: p.grad.detach().clone() for n, p in policy.params.items()}
-
-        shares = assign_blocks(b, k, cfg.train.micro_batch_size, 2)
-        got = ray.get([r.gradients.remote(select_samples(traj, sl), active[sl], plan[0], sl.start // 4)
-                       for r, sl in zip(ranks, shares)])
-        assert got[0].keys() == ref.keys()
-        for name, g in ref.items():
-            for rank_grads in got:  # every rank gathers the same full gradient
-                err = (rank_grads[name] - g).norm() / g.norm().clamp_min(1e-12)
-                assert err <= 1e-5, (name, float(err))
-        assert sum(float(g.abs().sum()) for g in ref.values()) > 0
+            traj, active = batches[not objective(name).sde]
+            ref = refs[name] = _one_process_gradient(cfg, policy, start, traj, active)
+            ray.get([r.reset.remote(cfg.to_dict()) for r in ranks])
+            got = ray.get([r.gradients.remote(traj, active, 0) for r in ranks])
+            assert got[0].keys() == ref.keys(), name
+            assert sum(float(g.abs().sum()) for g in ref.values()) > 0, name
+            for param, g in ref.items():
+                for rank_grads in got:  # every rank gathers the same full gradient
+                    err = (rank_grads[param] - g).norm() / g.norm().clamp_min(1e-12)
+                    assert err <= 1e-5, (name, param, float(err))
         if preset == "tiny-cpu-wan22":  # both experts' LoRA tensors train, each in its own FSDP units
             from diffusionrl.distributed.fsdp import block_units
 
             assert len(block_units(adapter.transformer)) == 2 * len(adapter.transformer.high.blocks)
-            assert traj.timesteps[0] >= 875 > traj.timesteps[1]
+            assert batches[False][0].timesteps[0] >= 875 > batches[False][0].timesteps[1]
             for expert in ("high", "low"):
-                grads = [g for n, g in ref.items() if f".{expert}.blocks." in n and ".lora_B." in n]
+                grads = [g for n, g in refs["flow_grpo"].items() if f".{expert}.blocks." in n and ".lora_B." in n]
                 if experts in ("both", expert):
                     assert grads and all(float(g.abs().sum()) > 0 for g in grads), expert
                 else:
@@ -136,6 +179,40 @@ def test_two_gloo_fsdp_ranks_give_one_process_gradient(ray_cluster, preset, expe
         for r in ranks:
             ray.kill(r)
         placement.remove()
+
+
+def test_two_rank_nft_run_resumes_bitwise_and_its_first_step_is_one_process(ray_cluster, tmp_path):
+    """DiffusionNFT end to end on 2 ranks (local engine on rank 0): a run stopped after step 1 and resumed
+    equals the uninterrupted run bit for bit (LoRA, old policy, metrics), and its first step equals one
+    process's (the tiny rewards are discontinuous: later steps may drift apart, each run repeatable)."""
+    from diffusionrl.run.checkpoint import list_checkpoints, load_checkpoint
+    from diffusionrl.train import build_loop
+
+    quick = ["eval.every=0"]
+    cfg = tiny_config(*DIST, *quick, preset="tiny-cpu-nft")
+    full, resumed, result = run_interrupted_and_uninterrupted(cfg, tmp_path)
+    assert result.steps_done == 2 and full.backend.worker.info() == {"world_size": 2}
+    a, b = saved_lora(tmp_path / "full"), saved_lora(tmp_path / "part")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ends = [load_checkpoint(list_checkpoints(tmp_path / run / "checkpoints")[-1], restore_rng=False)
+            for run in ("full", "part")]
+    assert all(torch.equal(ends[0].tensors["old"][k], ends[1].tensors["old"][k]) for k in ends[0].tensors["old"])
+    assert [m["train/loss"] for m in full.history] == [m["train/loss"] for m in resumed.history]
+    assert result.metrics[-1]["train/old_policy_eta"] > 0
+
+    one = build_loop(tiny_config("train.steps=1", *quick, preset="tiny-cpu-nft"), tmp_path / "one", progress=False)
+    try:
+        first = one.run(resume=None).metrics[0]
+    finally:
+        one.close()
+    two = load_checkpoint(list_checkpoints(tmp_path / "part" / "checkpoints")[0], restore_rng=False)
+    assert two.step == 1
+    mine = load_checkpoint(list_checkpoints(tmp_path / "one" / "checkpoints")[-1], restore_rng=False)
+    for group, tensors in (("lora", mine.lora), ("old", mine.tensors["old"])):
+        theirs = two.lora if group == "lora" else two.tensors["old"]
+        for k, t in tensors.items():
+            assert torch.allclose(theirs[k], t, rtol=1e-5, atol=1e-6), (group, k)
+    assert first["train/loss"] == pytest.approx(full.history[0]["train/loss"], rel=1e-5)
 
 
 @ray.remote(num_cpus=1)

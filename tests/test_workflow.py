@@ -181,6 +181,20 @@ def test_every_objective_preset_runs_through_the_workflow(grpo, preset, tmp_path
     assert {"eval/reward_mean", "eval/base_reward_mean"} <= set(out.eval_summary)
 
 
+def test_two_rank_diffusionnft_runs_through_the_workflow(grpo, tmp_path):
+    """DiffusionNFT on 2 FSDP ranks (the local engine on rank 0): train, evaluate, register, report."""
+    ckpt = tmp_path / "ckpt"
+    ranks = ["train.world_size=2", "train.rollout_engines=1"]
+    out = grpo(config=get_preset("tiny-cpu-nft"), checkpoint_dir=str(ckpt),
+               overrides=SMALL + ["train.steps=1", "eval.num_prompts=1", *ranks])
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1.0] and math.isfinite(rows[0]["train/nft_loss"])
+    saved = json.loads((ckpt / "config.json").read_text())
+    assert saved["algorithm"]["name"] == "nft" and saved["train"]["world_size"] == 2
+    assert (Path(out.lora.path) / "adapter_model.safetensors").is_file() and out.registered.version
+    assert {"eval/reward_mean", "eval/base_reward_mean"} <= set(out.eval_summary)
+
+
 def test_a_bad_warm_start_setting_fails_before_anything_runs(grpo):
     with pytest.raises(Exception, match=r"unknown key 'lerning_rate'"):
         grpo(config=TINY_CPU, overrides=SMALL, sft_steps=1, sft_overrides=["train.lerning_rate=0.1"])

@@ -11,9 +11,8 @@ that tie it to the sampling and train sections when it is the one named. The fla
   ``same_latent`` allowed, ``ode`` refused), ``ode`` = re-noises the clean latents of ODE samples,
   ``data`` = trains on a dataset of (prompt, image) pairs, no rewards;
 - ``old_policy``: keeps an fp32 copy of the old policy's LoRA (the planner counts it);
-- ``one_process``: the config refuses ``train.world_size > 1``;
-- ``ranks``: runs with ``train.world_size > 1`` (``distributed/worker.py`` drives its class on every
-  rank); ``distributed/ranks.py`` refuses the others at launch.
+- ``one_process``: the config refuses ``train.world_size > 1``; every other objective runs on
+  ``train.world_size`` FSDP ranks (``ranks``: ``distributed/worker.py`` drives its class on every rank).
 
 ``OBJECTIVES`` lists the records: that line registers an objective. ``diffusionrl.config.AlgorithmConfig``
 is composed from them: the keys several objectives share, then each registered objective's options
@@ -48,8 +47,8 @@ class Objective:
         options (`type`, *optional*, defaults to `None`): the dataclass of its own ``algorithm.*`` keys.
         rollouts (`str`, *optional*, defaults to ``"sde"``): ``sde`` | ``ode`` | ``data`` (see the module docstring).
         old_policy (`bool`, *optional*, defaults to `False`): it keeps an fp32 copy of the old policy's LoRA.
-        one_process (`bool`, *optional*, defaults to `False`): the config refuses ``train.world_size > 1``.
-        ranks (`bool`, *optional*, defaults to `False`): it runs with ``train.world_size > 1``.
+        one_process (`bool`, *optional*, defaults to `False`): the config refuses ``train.world_size > 1``
+            (else it runs on ranks: ``ranks``).
         fit (`Callable[[Config], None]`, *optional*, defaults to `None`): cross-section checks, run when it is
             the objective named; raises ``ConfigError``.
     """
@@ -60,8 +59,12 @@ class Objective:
     rollouts: str = "sde"  # sde | ode | data
     old_policy: bool = False
     one_process: bool = False
-    ranks: bool = False
     fit: Callable[[object], None] | None = None
+
+    @property
+    def ranks(self) -> bool:
+        """It runs with ``train.world_size > 1`` (``distributed/worker.py`` drives its class on every rank)."""
+        return not self.one_process
 
     @property
     def sde(self) -> bool:
@@ -75,7 +78,7 @@ class Objective:
 
 
 # -- flow_grpo: Flow-GRPO (section 5) ----------------------------------------------------------------
-FLOW_GRPO = Objective("flow_grpo", "Flow-GRPO (Liu et al. 2025)", ranks=True)
+FLOW_GRPO = Objective("flow_grpo", "Flow-GRPO (Liu et al. 2025)")
 
 
 # -- nft: DiffusionNFT (section 7) -------------------------------------------------------------------

@@ -204,10 +204,11 @@ class TrainConfig:
                 f"train.rollout_engines={self.rollout_engines} > world_size={self.world_size}: colocated engines "
                 f"live in the trainer bundles; use rollout_engines <= {self.world_size} or placement=split"
             )
-        # Ranks and engines get whole blocks: a block is a whole number of groups and of micro-batches.
+        # Engines get whole blocks: a block is a whole number of groups and of micro-batches (the trainer
+        # ranks share each optimizer step's units, whatever the batch: distributed/worker.deal).
         block = math.lcm(self.group_size, self.micro_batch_size)
         blocks = batch // block if batch % block == 0 else 0
-        for name, n in (("world_size", self.world_size), ("rollout_engines", self.rollout_engines)):
+        for name, n in (("rollout_engines", self.rollout_engines),):
             if blocks == 0 or blocks % n:
                 raise ConfigError(
                     f"train.{name}={n}: a step's {batch} samples must split into {n} equal shares of whole groups "

@@ -110,6 +110,20 @@ def load_full_state(params: dict[str, torch.Tensor], state: dict[str, torch.Tens
             p.copy_(value.to(p.device))
 
 
+@torch.no_grad()
+def shard_like(params: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors (keyed like ``params``) cut into this rank's shards the way ``params`` are, in fp32."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = {}
+    for name, value in state.items():
+        p = params[name] if name in params else None
+        value = value.float()
+        out[name] = (distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+                     if isinstance(p, DTensor) else value)
+    return out
+
+
 def offload_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> int:
     """Move every optimizer state tensor to ``device`` (CPU while the engine samples). Returns bytes moved."""
     moved = 0

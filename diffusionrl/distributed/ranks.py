@@ -1,17 +1,19 @@
 """``RankGroup``: the policy side of an image run as ``train.world_size`` trainer ranks in Ray actors.
 
 It has the interface of ``training.local_worker.LocalPolicyWorker`` so that
-``training.backend.ImageBackend`` drives either; the driver (the Flyte Ray task's process) keeps
-what is cheap and global: prompt sampling, reward scoring (Ray CPU actors), advantages, metrics,
-checkpoints. Per step:
+``training.backend.ImageBackend`` drives either, for every objective but ``sft``; the driver (the
+Flyte Ray task's process) keeps what is cheap and global: prompt sampling, reward scoring (Ray CPU
+actors), advantages, metrics, checkpoints. Per step:
 
 1. rollout: each engine rank samples its share of whole blocks (``shards.assign_blocks``); the
    driver concatenates the shares (same per-sample seeds and micro-batches as one process);
 2. score + advantages over the whole batch (global std), in the backend;
-3. update: the driver replays the single-process schedule (``worker.grpo_plan``), each rank
-   trains on its share; metrics are reduced over ranks;
-4. push: every rank joins the LoRA gather, engine ranks push it to their engine (CUDA IPC when
-   colocated on a GPU, by value otherwise) and report the push time.
+3. update: the scored batch goes once into the object store and every rank runs the objective's
+   step on it, computing its share of each optimizer step's units (``worker.deal``); metrics are
+   reduced over ranks;
+4. push: every rank joins the gather of the LoRA the engines sample with (the live policy, or
+   NFT's old policy), engine ranks push it to their engine (CUDA IPC when colocated on a GPU, by
+   value otherwise) and report the push time.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from diffusionrl.run import CheckpointState
 
 from .group import node_address_and_port
 from .placement import build_placement
-from .shards import assign_blocks, cat_trajectories, select_samples
-from .worker import TrainerRank, grpo_plan
+from .shards import assign_blocks, cat_trajectories
+from .worker import TrainerRank
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class RankGroup:
 
         if not objective(cfg.algorithm.name).ranks:
             raise ValueError(
-                f"train.world_size={cfg.train.world_size} supports algorithm.name={'/'.join(RANKED)} today, not "
+                f"train.world_size={cfg.train.world_size} runs algorithm.name={'/'.join(RANKED)}, not "
                 f"{cfg.algorithm.name!r}; train {cfg.algorithm.name} with world_size=1"
             )
         from diffusionrl.training.preflight import check_inputs
@@ -95,15 +97,10 @@ class RankGroup:
         return cat_trajectories(raycluster.get(refs, "rollout on the engine ranks"))
 
     def train_step(self, traj, active: torch.Tensor, step: int) -> dict[str, float]:
-        train_cfg = self.cfg.train
-        plan = grpo_plan(traj, active, train_cfg, step)
-        shares = assign_blocks(traj.batch_size, train_cfg.group_size, train_cfg.micro_batch_size, train_cfg.world_size)
-        m = traj.micro_batch_size
-        refs = [
-            rank.train_step.remote(select_samples(traj, sl), active[sl], plan, sl.start // m, step)
-            for rank, sl in zip(self.ranks, shares)
-        ]
-        return raycluster.get(refs, f"train step {step} on the trainer ranks")[0]
+        import ray
+
+        batch = ray.put(traj)  # one copy in the object store, read by every rank
+        return self._all("train_step", batch, active, step)[0]
 
     def push_weights(self, version: int) -> dict[str, float]:
         times = self._all("push_weights", version)[: self.cfg.train.rollout_engines]
@@ -112,8 +109,10 @@ class RankGroup:
     # -- checkpoint state --------------------------------------------------------------------------
     def checkpoint_parts(self) -> dict[str, Any]:
         ema = self._all("ema_state")[0]
+        tensors = {"ema": ema} if ema is not None else {}
+        tensors.update(self._all("objective_state")[0])
         return {"lora": self._all("lora_state")[0], "optimizer": self._all("optimizer_state")[0],
-                "scaler": self._all("scaler_state")[0], "tensors": {"ema": ema} if ema is not None else {}}
+                "scaler": self._all("scaler_state")[0], "tensors": tensors}
 
     def load_checkpoint_parts(self, state: CheckpointState) -> None:
         """Also from a single-process checkpoint: the formats are the same."""
@@ -122,6 +121,7 @@ class RankGroup:
         self._all("load_scaler_state", state.scaler)
         if "ema" in state.tensors:
             self._all("load_ema_state", state.tensors["ema"])
+        self._all("load_objective_state", {k: v for k, v in state.tensors.items() if k != "ema"})
 
     # -- outputs -----------------------------------------------------------------------------------
     def save_lora(self, out_dir: Path, info: dict[str, Any]) -> tuple[Path, dict[str, Path]]:

@@ -1,22 +1,25 @@
-"""One trainer rank: a Ray actor holding the adapter, the FSDP2-sharded LoRA policy, the trainer
-and (ranks ``< train.rollout_engines``) a rollout engine.
+"""One trainer rank: a Ray actor holding the adapter, the FSDP2-sharded LoRA policy, the trainer, the
+objective (with its old-policy or EMA copies, sharded like the policy) and (ranks
+``< train.rollout_engines``) a rollout engine.
 
-Exact accumulation across ranks (docs/algorithms.md section 6): the driver replays the single-process
-schedule (``grpo_plan``: which micro-batches form each optimizer step, and each micro-batch's step
-order, from the same seeded generator), every rank builds the units of the micro-batches it
-owns, the count of each optimizer step is all-reduced *before* any backward, every unit's summed
-loss is divided once by that global count, and FSDP2 reduce-scatters gradient *sums*. N ranks x M
-micro-batches therefore give the gradient of one process (up to float summation order).
+Exact accumulation across ranks (docs/algorithms.md section 12): every rank receives the whole
+scored batch and runs the objective's own ``train_step``: the same schedule, the same random draws,
+the same advantages, pairs and noise levels as one process, since all of them are functions of the
+batch, the step and ``train.seed``. Only the work differs: of each optimizer step's units (one
+forward/backward each, identical lists on every rank) rank ``r`` computes every ``world_size``-th
+(``deal``); every unit's summed loss is divided once by the step's global count, and FSDP2
+reduce-scatters gradient *sums*. N ranks therefore give the gradient of one process (up to float
+summation order), for every objective, whatever its units are.
 
-FSDP2 runs collectives in every forward and backward, so ranks must run the same units in the same
-order per optimizer step (``aligned_work``): ranks with fewer units run zero-weight padding units
-(loss x 0 on one of their own micro-batches). A model with two experts (Wan2.2 A14B: each step runs
-the expert of its timestep, each expert's blocks their own FSDP units) runs its units grouped by
-expert, every rank the same count of each (padded with that expert's steps), so every all-gather
-and reduce-scatter pairs up one expert's block on all ranks. The step's gradient is a sum over its
-units, so the order changes only the float summation order. A non-finite loss is not returned early
-(that would deadlock the others): its backward makes the global gradient norm non-finite, and every
-rank skips the step together.
+FSDP2 runs collectives in every forward and backward, so ranks must run the same number of units
+of each expert in the same order per optimizer step: ranks with fewer units run zero-weight padding
+units (a unit of the same expert, loss x 0). A model with two experts (Wan2.2 A14B: each step runs the
+expert of its timestep, each expert's blocks their own FSDP units) runs its units grouped by expert,
+so every all-gather and reduce-scatter pairs up one expert's block on all ranks. The step's
+gradient is a sum over its units, so the order changes only the float summation order. A non-finite
+loss is not returned early (that would deadlock the others): its backward makes the global gradient
+norm non-finite, and every rank skips the step together. Metrics are summed over ranks before the
+objective takes their means (``global_stats``).
 """
 
 from __future__ import annotations
@@ -27,61 +30,40 @@ import math
 import os
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from diffusionrl.training.trainer import Trainer, Unit, UpdateStats, minibatch_schedule
+from diffusionrl.training.trainer import Trainer, Unit, UpdateStats
 
-from .fsdp import (
-    full_state,
-    full_tensor,
-    load_full_state,
-    offload_optimizer_state,
-    shard_policy,
-)
+from .fsdp import full_state, full_tensor, load_full_state, offload_optimizer_state, shard_like, shard_policy
 from .group import all_gather_keys, all_reduce_scalar, all_reduce_sums, init_group
 from .scaler import SyncedGradScaler
 
 log = logging.getLogger(__name__)
 
-# A plan: per optimizer step, [(global micro-batch index, [SDE step order])] in single-process order.
-Plan = list[list[tuple[int, list[int]]]]
-
-
-def grpo_plan(traj, active: torch.Tensor, train_cfg, step: int) -> Plan:
-    """The schedule ``FlowGRPOObjective.train_step`` would follow in one process, same generator
-    and same order of draws (epoch permutation, then one step permutation per micro-batch)."""
-    rng = np.random.default_rng([train_cfg.seed, step, 0x5EED])
-    m = traj.micro_batch_size
-    plan: Plan = []
-    for _epoch, selected in minibatch_schedule(traj, train_cfg, rng):
-        entry = []
-        for sl in selected:
-            pairs = traj.sde_mask[sl] & active[sl, None]  # [m, T]
-            steps = [j for j in range(traj.num_steps) if bool(pairs[:, j].any())]
-            entry.append((sl.start // m, [int(j) for j in rng.permutation(steps)] if steps else []))
-        plan.append(entry)
-    return plan
-
-
-def expert_of(adapter, t) -> str | None:
-    """The expert a forward at timestep ``t`` runs (``WanExperts.expert``); None for one transformer."""
-    experts = getattr(adapter, "experts", None)
-    return None if experts is None else experts.expert(t)
-
-
-def aligned_work(units: list[tuple[str | None, Unit]], experts: list[str | None], pad) -> list[tuple[Unit, bool]]:
-    """This rank's ``(expert, unit)`` pairs as ``(unit, real)`` in the order every rank runs them: grouped
-    by expert in ``experts``' order (the same on every rank: it comes from the shared timesteps), each
-    group padded with ``pad(expert)`` zero-weight units to the largest count of that expert over ranks.
-    A collective: every rank calls it with the same ``experts``."""
+def deal(units: list[Unit], rank: int, world_size: int) -> list[tuple[Unit, bool]]:
+    """Rank ``rank``'s share of one optimizer step's ``units`` (the same list on every rank) as
+    ``(unit, real)`` in the order every rank runs them: grouped by expert (in the order the experts
+    first appear), every ``world_size``-th unit of each group from the ``rank``-th, padded with
+    zero-weight copies of the group's first unit to the same count on every rank."""
+    groups: dict[str | None, list[Unit]] = {}
+    for unit in units:
+        groups.setdefault(unit.expert, []).append(unit)
     work: list[tuple[Unit, bool]] = []
-    for expert in experts:
-        mine = [u for e, u in units if e == expert]
-        n = int(all_reduce_scalar(len(mine), dist.ReduceOp.MAX))
-        work += [(u, True) for u in mine] + [(pad(expert), False) for _ in range(n - len(mine))]
+    for group in groups.values():
+        mine = group[rank::world_size]
+        work += [(u, True) for u in mine] + [(_padding(group[0]), False)] * (-(-len(group) // world_size) - len(mine))
     return work
+
+
+def _padding(unit: Unit) -> Unit:
+    """``unit``'s forwards and backward with loss x 0 and no statistics."""
+
+    def compute():
+        loss, _ = unit.compute()
+        return loss * 0.0, {}
+
+    return Unit(0.0, compute, unit.expert)
 
 
 def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
@@ -91,19 +73,26 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 class DistributedTrainer(Trainer):
-    """``Trainer`` whose counts, skip decisions and gradient norm are global over the group."""
+    """``Trainer`` that computes this rank's share of every optimizer step's units (``deal``) and whose
+    counts, skip decisions, gradient norm and statistics are global over the group.
+
+    ``capture``: when a dict, the first optimizer step only gathers its full gradient into it and
+    steps nothing (``TrainerRank.gradients``)."""
 
     def __init__(self, cfg, policy, device: torch.device, loss_factor: float = 1.0):
         super().__init__(cfg, policy)
         self.device = device
         self.loss_factor = loss_factor  # see fsdp.set_sum_reduction
         self.scaler = SyncedGradScaler(device.type, enabled=cfg.train.mixed_precision == "fp16")
+        self.capture: dict | None = None
 
-    def apply_sharded(self, work: list[tuple[Unit, bool]], stats: UpdateStats) -> bool:
-        """One optimizer step over this rank's ``aligned_work`` (``(unit, real)``: padding is not real)."""
-        total = all_reduce_scalar(sum(u.count for u, real in work if real))
+    def apply(self, units, stats: UpdateStats, prefix: str = "") -> bool:
+        """One optimizer step over this rank's share of ``units`` (every rank passes the same list)."""
+        units = list(units)
+        total = sum(u.count for u in units)
         if total <= 0:
             return False
+        work = deal(units, dist.get_rank(), dist.get_world_size())
         denom = total / self.loss_factor
         self.optimizer.zero_grad(set_to_none=True)
         finite = True
@@ -114,7 +103,13 @@ class DistributedTrainer(Trainer):
                 self.scaler.scale(loss_sum / denom).backward()
             if real:
                 for key, value in unit_stats.items():
-                    stats.add(key, float(value), unit.count)
+                    stats.add(prefix + key, float(value), unit.count)
+        if self.capture is not None:
+            if not self.capture:
+                grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in self.policy.params.items()}
+                self.capture.update(full_state(grads))  # None: no unit of the step reached the tensor
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
         if all_reduce_scalar(float(finite), dist.ReduceOp.MIN) < 1:
             log.warning("non-finite loss on some rank: optimizer step skipped on every rank")
             self.optimizer.zero_grad(set_to_none=True)
@@ -126,6 +121,13 @@ class DistributedTrainer(Trainer):
         if self.cfg.train.max_grad_norm and math.isfinite(float(norm)):
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.train.max_grad_norm, norm)
         return self.step_optimizer(float(norm), stats)
+
+    def global_stats(self, stats: UpdateStats) -> UpdateStats:
+        """Sums and counts over ranks (a collective); optimizer-step counts are already global."""
+        keys = all_gather_keys(list(stats.sums))
+        sums = all_reduce_sums({k: stats.sums.get(k, 0.0) for k in keys})
+        counts = all_reduce_sums({k: stats.counts.get(k, 0.0) for k in keys})
+        return dataclasses.replace(stats, sums=sums, counts=counts)
 
 
 class TrainerRank:
@@ -141,8 +143,8 @@ class TrainerRank:
         from diffusionrl.models import load_adapter
         from diffusionrl.models.sd3 import resolve_device
         from diffusionrl.rollout.factory import make_engine
-        from diffusionrl.training.flow_grpo import FlowGRPOObjective
-        from diffusionrl.training.policy import LoraPolicy
+        from diffusionrl.training.objective import build_objective
+        from diffusionrl.training.policy import LoraPolicy, warm_start
 
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
@@ -158,12 +160,35 @@ class TrainerRank:
         model_cfg = dataclasses.replace(cfg.model, name=model_path) if model_path else cfg.model
         self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
         self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
+        warm_start(cfg, self.policy)  # algorithm.init_lora, before the engine copies the policy
         # The engine is built before sharding: it copies/keeps the full base weights it serves.
         self.engine = (engine_factory or make_engine)(cfg, self.adapter, self.policy) if holds_engine else None
-        _, loss_factor = shard_policy(self.policy, cfg.train.mixed_precision, self.device, world_size)
-        self.trainer = DistributedTrainer(cfg, self.policy, self.device, loss_factor)
-        self.objective = FlowGRPOObjective(cfg, self.policy)
+        _, self.loss_factor = shard_policy(self.policy, cfg.train.mixed_precision, self.device, world_size)
+        self.trainer = DistributedTrainer(cfg, self.policy, self.device, self.loss_factor)
+        # After sharding: the objective's copies of the LoRA (old policy) are sharded like it.
+        self.objective = build_objective(cfg, self.policy)
         self.optimizer_on = "device"
+        self._start: dict[str, torch.Tensor] | None = None  # the LoRA ``reset`` returns to
+
+    def reset(self, cfg_dict: dict) -> None:
+        """Start over under another configuration of the same model: the LoRA back to its start, a new
+        trainer (optimizer, EMA) and objective (benchmarks and tests: one group, many objectives)."""
+        from diffusionrl.config import Config
+        from diffusionrl.training.objective import build_objective
+
+        cfg = Config.from_dict(cfg_dict)
+        if cfg.model != self.cfg.model:
+            raise ValueError("TrainerRank.reset keeps the model: its model section must be the rank's")
+        if self._start is None:
+            raise RuntimeError("TrainerRank.reset before mark_start()")
+        load_full_state(self.policy.params, self._start)
+        self.cfg = cfg
+        self.trainer = DistributedTrainer(cfg, self.policy, self.device, self.loss_factor)
+        self.objective = build_objective(cfg, self.policy)
+
+    def mark_start(self) -> None:
+        """Remember the LoRA as it is now for ``reset`` (a collective)."""
+        self._start = full_state(self.policy.params)
 
     # -- identity --------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -194,76 +219,23 @@ class TrainerRank:
             self.engine.release_memory()
 
     # -- training ---------------------------------------------------------------------------------
-    def _work(self, share, active, entry, first_chunk: int, probe) -> list[tuple[Unit, bool]]:
-        """This rank's units of one optimizer step (``entry`` of the plan), aligned over ranks."""
-        m = share.micro_batch_size
-        n_local = share.batch_size // m
-        units = []
-        for chunk, order in entry:
-            local = chunk - first_chunk
-            if not 0 <= local < n_local:
-                continue
-            sl = slice(local * m, (local + 1) * m)
-            pairs = share.sde_mask[sl] & active[sl, None]
-            for j in order:
-                mask = pairs[:, j]
-                units.append((expert_of(self.adapter, share.timesteps[j]),
-                              Unit(float(mask.sum()), self.objective._make(share, sl, j, mask, probe))))
-        # each expert's first step: its padding units run it (the timesteps are the same on every rank)
-        first: dict[str | None, int] = {}
-        for j, t in enumerate(share.timesteps):
-            first.setdefault(expert_of(self.adapter, t), j)
-        return aligned_work(units, list(first), self._pad(share, first))
-
-    def _pad(self, share, first: dict[str | None, int]):
-        """``pad(expert)``: a zero-weight unit on a step of ``expert`` (its forwards and backward, loss x 0)."""
-        m = share.micro_batch_size
-
-        def pad(expert) -> Unit:
-            make = self.objective._make(share, slice(0, m), first[expert], torch.zeros(m, dtype=torch.bool), None)
-
-            def compute():
-                loss, _ = make()
-                return loss * 0.0, {}
-
-            return Unit(0.0, compute)
-
-        return pad
-
-    def train_step(self, share, active: torch.Tensor, plan: Plan, first_chunk: int, step: int) -> dict[str, float]:
-        """Every optimizer step of ``plan`` on this rank's ``share``; metrics reduced over ranks."""
+    def train_step(self, traj, active: torch.Tensor, step: int) -> dict[str, float]:
+        """The objective's step on the whole scored batch, this rank computing its share of every
+        optimizer step's units; metrics are global."""
         if self.cfg.train.offload_optimizer:
             offload_optimizer_state(self.trainer.optimizer, self.device)
         self.trainer.begin_step(step)
-        stats = UpdateStats()
-        probe = {"open": True}
-        for entry in plan:
-            self.trainer.apply_sharded(self._work(share, active, entry, first_chunk, probe), stats)
-            probe["open"] = False
-        keys = all_gather_keys(list(stats.sums))
-        sums = all_reduce_sums({k: stats.sums.get(k, 0.0) for k in keys})
-        counts = all_reduce_sums({k: stats.counts.get(k, 0.0) for k in keys})
-        stats.sums, stats.counts = sums, counts
-        metrics = stats.means()
-        diff = all_reduce_sums({"count": probe.get("count", 0), "sum": probe.get("sum", 0.0)})
-        if diff["count"]:
-            metrics["train/log_prob_mean_abs_diff"] = diff["sum"] / diff["count"]
-        metrics["train/lr"] = self.trainer.lr()
-        return metrics
+        return self.objective.train_step(self.trainer, traj, active, step)
 
-    def gradients(self, share, active: torch.Tensor, entry, first_chunk: int) -> dict[str, torch.Tensor]:
-        """Accumulated LoRA gradients of one optimizer step (no update), gathered (tests/benchmarks)."""
-        work = self._work(share, active, entry, first_chunk, None)
-        total = all_reduce_scalar(sum(u.count for u, real in work if real))
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        for unit, _real in work:
-            loss_sum, _ = unit.compute()
-            if loss_sum.requires_grad:
-                (loss_sum / (total / self.trainer.loss_factor)).backward()
-        grads = {name: p.grad for name, p in self.policy.params.items()}
-        out = full_state(grads)
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        return out
+    def gradients(self, traj, active: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
+        """The full LoRA gradient of the first optimizer step of the objective's step ``step`` on
+        ``traj`` (nothing is updated; tests and benchmarks)."""
+        self.trainer.capture = {}
+        try:
+            self.objective.train_step(self.trainer, traj, active, step)
+            return self.trainer.capture
+        finally:
+            self.trainer.capture = None
 
     # -- weights ----------------------------------------------------------------------------------
     def lora_state(self) -> dict[str, torch.Tensor]:
@@ -271,8 +243,10 @@ class TrainerRank:
         return full_state(self.policy.params)
 
     def push_weights(self, version: int) -> float:
-        """Gather the LoRA (every rank) and push it to this rank's engine; seconds of the push."""
-        state = full_state(self.policy.params, to_cpu=self.device.type != "cuda")
+        """Gather the LoRA the engine samples with (every rank: the live policy, or the objective's own,
+        NFT's old policy) and push it to this rank's engine; seconds of the push."""
+        getter = getattr(self.objective, "rollout_state", None)
+        state = full_state(getter() if getter else self.policy.params, to_cpu=self.device.type != "cuda")
         if self.engine is None:
             return 0.0
         t0 = time.perf_counter()
@@ -317,6 +291,18 @@ class TrainerRank:
     def load_ema_state(self, state: dict[str, torch.Tensor]) -> None:
         if self.trainer.ema is not None:
             load_full_state(self.trainer.ema.shadow, state)
+
+    def objective_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The objective's own tensor groups (NFT's old policy), full tensors on CPU."""
+        getter = getattr(self.objective, "state_tensors", None)
+        return {group: full_state(tensors) for group, tensors in (getter() if getter else {}).items()}
+
+    def load_objective_state(self, groups: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Each group's full tensors cut into this rank's shards (like the LoRA's) and handed to the
+        objective; it checks that they are its own."""
+        loader = getattr(self.objective, "load_state_tensors", None)
+        if loader:
+            loader({group: shard_like(self.policy.params, tensors) for group, tensors in groups.items()})
 
     def peft_state(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The adapter in peft's saved format (of ``state`` if given), full tensors on CPU."""

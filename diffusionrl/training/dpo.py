@@ -22,7 +22,7 @@ from diffusionrl.algorithms.nft import noisy_latents
 from diffusionrl.trajectory import Trajectory
 
 from .policy import LoraPolicy
-from .trainer import Trainer, Unit, UpdateStats
+from .trainer import Trainer, Unit, UpdateStats, unit_expert
 
 # Distinct first words of the seed sequences of a step's random streams.
 _TIMESTEP_STREAM = 0x44504F54  # "DPOT"
@@ -71,7 +71,9 @@ class DPOObjective:
         for chunk in chunks:
             plan = [self.slots(traj, (win, lose), step, epoch) for win, lose in chunk.tolist()]
             for slot in range(traj.num_steps - 1):
-                units.append(Unit(float(len(chunk)), self._make(traj, chunk, plan, slot, step, epoch)))
+                t = traj.sigmas[torch.as_tensor([int(s[slot]) for s in plan], dtype=torch.long)]
+                units.append(Unit(float(len(chunk)), self._make(traj, chunk, plan, slot, step, epoch),
+                                  unit_expert(self.adapter, t * self.num_train_timesteps)))
         return units
 
     def errors(self, traj: Trajectory, chunk: torch.Tensor, plan: list[np.ndarray], slot: int, step: int, epoch: int):
@@ -121,7 +123,7 @@ class DPOObjective:
             for part in np.array_split(np.arange(len(order)), train_cfg.minibatches):
                 if len(part):
                     trainer.apply(self.units(traj, [order[i] for i in part], step, epoch), stats)
-        metrics = stats.means()
+        metrics = trainer.global_stats(stats).means()
         metrics["train/lr"] = trainer.lr()
         metrics["train/dpo_pairs"] = float(len(pairs))
         return metrics

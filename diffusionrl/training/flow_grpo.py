@@ -19,7 +19,7 @@ from diffusionrl.config import resolved_kl_space
 from diffusionrl.trajectory import Trajectory
 
 from .policy import LoraPolicy
-from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule
+from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule, unit_expert
 
 
 @dataclass
@@ -84,7 +84,8 @@ class FlowGRPOObjective:
             steps = [j for j in range(traj.num_steps) if bool(pairs[:, j].any())]
             for j in rng.permutation(steps) if steps else []:
                 mask = pairs[:, int(j)]
-                units.append(Unit(float(mask.sum()), self._make(traj, sl, int(j), mask, diff_probe)))
+                units.append(Unit(float(mask.sum()), self._make(traj, sl, int(j), mask, diff_probe),
+                                  unit_expert(self.adapter, traj.timesteps[int(j)])))
         return units
 
     def evaluate(self, traj: Trajectory, sl: slice, j: int) -> StepEval:
@@ -146,9 +147,8 @@ class FlowGRPOObjective:
             stats["policy_loss"] = (terms.policy_loss.detach() * m).sum()
             stats["kl_loss"] = (terms.kl.detach() * m).sum()
             stats["loss"] = (terms.loss.detach() * m).sum()
-            if diff_probe is not None and diff_probe.get("open", False):
-                diff_probe["sum"] = diff_probe.get("sum", 0.0) + float((new_m - old_m).abs().sum())
-                diff_probe["count"] = diff_probe.get("count", 0) + int(m.sum())
+            if diff_probe is not None and diff_probe.get("open", False):  # the policy still is the rollout's
+                stats["log_prob_mean_abs_diff"] = (new_m - old_m).abs().sum()
             return (terms.loss * m).sum(), stats
 
         return compute
@@ -161,11 +161,12 @@ class FlowGRPOObjective:
         if traj.advantages is None:  # the loss needs advantages; their values do not matter here
             zeros = torch.zeros(traj.batch_size)
             traj = traj.with_rewards(zeros, {}, zeros)
-        probe = {"open": True}
         everyone = torch.ones(traj.batch_size, dtype=torch.bool)
-        for unit in self.units(traj, traj.micro_batches(), everyone, np.random.default_rng(0), probe):
-            unit.compute()
-        return probe["sum"] / probe["count"], probe["count"]
+        total, count = 0.0, 0
+        for unit in self.units(traj, traj.micro_batches(), everyone, np.random.default_rng(0), {"open": True}):
+            total += float(unit.compute()[1]["log_prob_mean_abs_diff"])
+            count += int(unit.count)
+        return total / count, count
 
     def train_step(self, trainer: Trainer, traj: Trajectory, active: torch.Tensor, step: int) -> dict[str, float]:
         """Inner epochs x minibatches optimizer steps on one rollout batch.
@@ -187,8 +188,6 @@ class FlowGRPOObjective:
                 probe["open"] = False
         finally:
             self.old_state = None
-        metrics = stats.means()
-        if probe.get("count"):
-            metrics["train/log_prob_mean_abs_diff"] = probe["sum"] / probe["count"]
+        metrics = trainer.global_stats(stats).means()  # train/log_prob_mean_abs_diff: the first step's pairs
         metrics["train/lr"] = trainer.lr()
         return metrics

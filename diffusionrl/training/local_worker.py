@@ -8,7 +8,6 @@ over trainer ranks in Ray actors).
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,11 @@ import torch
 
 from diffusionrl.models import load_adapter
 from diffusionrl.rollout.factory import make_engine
-from diffusionrl.run import CheckpointState, local_copy
+from diffusionrl.run import CheckpointState
 from diffusionrl.trajectory import Trajectory
 
 from .objective import build_objective
-from .policy import LoraPolicy
+from .policy import LoraPolicy, warm_start
 from .preflight import check_inputs
 from .trainer import Trainer
 
@@ -41,10 +40,7 @@ class LocalPolicyWorker:
         model_cfg = dataclasses.replace(cfg.model, name=model_path) if model_path else cfg.model
         self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
         self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
-        if cfg.algorithm.init_lora:  # a warm start (e.g. an SFT run's LoRA), before the optimizer and old copies
-            with tempfile.TemporaryDirectory() as tmp:  # a URI (an SFT stage's run folder) is downloaded first
-                folder = local_copy(cfg.algorithm.init_lora, Path(tmp) / "init_lora")
-                self.policy.load_adapter_folder(folder, label=cfg.algorithm.init_lora)
+        warm_start(cfg, self.policy)  # e.g. an SFT run's LoRA, before the optimizer and old copies
         self.trainer = Trainer(cfg, self.policy)
         self.objective = build_objective(cfg, self.policy)
         self.engine = (engine_factory or make_engine)(cfg, self.adapter, self.policy)

@@ -32,7 +32,7 @@ from diffusionrl.run import CheckpointMismatch
 from diffusionrl.trajectory import Trajectory
 
 from .policy import EMA, LoraPolicy
-from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule
+from .trainer import Trainer, Unit, UpdateStats, minibatch_schedule, unit_expert
 
 # Distinct first words of the seed sequences, so each random stream of a step is its own.
 _TIMESTEP_STREAM = 0x4E4654  # "NFT"
@@ -121,7 +121,8 @@ class RenoisedUnits:
             if count == 0:
                 continue
             for slot in range(plan.slots):
-                units.append(Unit(count, self._make(traj, sl, slot, mask, plan)))
+                t = traj.sigmas[torch.as_tensor(plan.indices[sl, slot], dtype=torch.long)] * self.num_train_timesteps
+                units.append(Unit(count, self._make(traj, sl, slot, mask, plan), unit_expert(self.adapter, t)))
         return units
 
     def noised(self, traj: Trajectory, sl: slice, slot: int, plan: TimestepPlan):
@@ -146,7 +147,7 @@ class RenoisedUnits:
             if plan is None or plan.epoch != epoch:
                 plan = self.plan(traj, step, epoch)
             trainer.apply(self.units(traj, selected, active, plan), stats)
-        metrics = stats.means()
+        metrics = trainer.global_stats(stats).means()
         metrics["train/lr"] = trainer.lr()
         metrics.update(self.after_step(step))
         return metrics

@@ -102,6 +102,20 @@ class LoraPolicy:
         return self.model.disable_adapter()
 
 
+def warm_start(cfg, policy: LoraPolicy) -> None:
+    """Load ``algorithm.init_lora`` (a peft LoRA folder or a run folder's URI, downloaded first) into
+    ``policy``; nothing when it is empty. Before the optimizer, the old-policy copies and any engine copy."""
+    if not cfg.algorithm.init_lora:
+        return
+    import tempfile
+
+    from diffusionrl.run import local_copy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = local_copy(cfg.algorithm.init_lora, Path(tmp) / "init_lora")
+        policy.load_adapter_folder(folder, label=cfg.algorithm.init_lora)
+
+
 class EMA:
     """Exponential moving average of tensors: ``shadow <- decay * shadow + (1 - decay) * value``."""
 

@@ -30,6 +30,14 @@ class Unit:
 
     count: float  # number of loss terms this unit adds to the step's denominator
     compute: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    expert: str | None = None  # the Wan2.2 expert its forwards run (``unit_expert``); None: one transformer
+
+
+def unit_expert(adapter, timesteps) -> str | None:
+    """The expert every forward of a unit at ``timesteps`` runs (``WanExperts.expert``: raises when they
+    straddle its boundary); None for a model with one transformer."""
+    experts = getattr(adapter, "experts", None)
+    return None if experts is None else experts.expert(timesteps)
 
 
 @dataclass
@@ -138,6 +146,11 @@ class Trainer:
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def global_stats(self, stats: UpdateStats) -> UpdateStats:
+        """``stats`` over every rank that trains this step (one process: ``stats`` itself); objectives
+        call it before ``stats.means()``."""
+        return stats
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, train_cfg) -> torch.optim.lr_scheduler.LambdaLR:
