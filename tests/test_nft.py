@@ -277,7 +277,7 @@ def test_nft_presets_and_validation():
     assert (tiny.algorithm.name, tiny.sampling.guidance_scale, tiny.algorithm.nft_beta) == ("nft", 1.0, 1.0)
     ref = load_config("sd35m-pickscore-nft")
     assert (ref.train.prompts_per_step, ref.train.group_size, ref.train.minibatches,
-            ref.train.inner_epochs) == (8, 8, 1, 1)
+            ref.train.inner_epochs, ref.train.world_size) == (48, 24, 1, 1, 8)  # the reference's 8 GPUs
     assert (ref.model.lora_rank, ref.model.lora_alpha, ref.sampling.resolution, ref.eval.num_steps) == (32, 64, 512, 40)
     assert ref.reward.weights == {"pickscore": 1.0} and ref.train.mixed_precision == "fp16"
     assert ref.sampling.guidance_scale == 1.0 and ref.algorithm.kl_beta == 1e-4

@@ -56,9 +56,11 @@ SD35M_OCR: dict[str, Any] = {
     "tracking": {"registered_model": "sd35m-ocr"},
 }
 
-# Over SD35M_GPU: DiffusionNFT's SD3.5-medium PickScore recipe (its config/nft.py sd3_pickscore,
-# decay type 1) on one GPU: 8 groups of 8 instead of 48 x 24 over 8 GPUs, one optimizer step per
-# rollout. The reference samples with a second-order DPM solver; ours are Euler ODE steps.
+# Over SD35M_GPU and EIGHT_GPU_COLOCATED: DiffusionNFT's SD3.5-medium PickScore recipe (its config/nft.py
+# sd3_pickscore, decay type 1) on the reference's 8 GPUs: 48 groups of 24 per step, one optimizer step per
+# rollout, the old policy sharded like the LoRA. The reference samples with a second-order DPM solver; ours
+# are Euler ODE steps. On one GPU: --set train.world_size=1 --set train.rollout_engines=1 --set
+# train.prompts_per_step=8 --set train.group_size=8.
 SD35M_PICKSCORE_NFT: dict[str, Any] = {
     "model": {"max_sequence_length": 128},
     "sampling": {"guidance_scale": 1.0},
@@ -75,7 +77,7 @@ SD35M_PICKSCORE_NFT: dict[str, Any] = {
     },
     "reward": {"weights": {"pickscore": 1.0}},
     "tracking": {"registered_model": "sd35m-pickscore"},
-    "train": {"prompts_per_step": 8, "group_size": 8, "minibatches": 1},
+    "train": {"prompts_per_step": 48, "group_size": 24, "minibatches": 1},
     "eval": {"guidance_scale": 1.0},
 }
 
@@ -277,7 +279,7 @@ FLUX2_KLEIN_BASE_PICKSCORE: dict[str, Any] = {
 # Preset name -> its change sets, laid over the schema's defaults in this order.
 GPU_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "sd35m-ocr": (SD35M_GPU, SD35M_OCR),
-    "sd35m-pickscore-nft": (SD35M_GPU, SD35M_PICKSCORE_NFT),
+    "sd35m-pickscore-nft": (SD35M_GPU, EIGHT_GPU_COLOCATED, SD35M_PICKSCORE_NFT),
     "flux1-dev-pickscore": (EIGHT_GPU_COLOCATED, FLUX1_DEV_PICKSCORE),
     "flux2-dev-pickscore": (EIGHT_GPU_COLOCATED, FLUX2_DEV_PICKSCORE),
     "flux2-klein-base-4b-pickscore": (EIGHT_GPU_COLOCATED, FLUX2_DEV_PICKSCORE, FLUX2_KLEIN_BASE_PICKSCORE),
