@@ -6,6 +6,6 @@ the modules are its parts.
 """
 
 from .placement import Placement, build_placement, bundle_resources
-from .shards import assign_blocks, cat_trajectories, select_samples
+from .shards import assign_blocks, cat_trajectories
 
-__all__ = ["Placement", "assign_blocks", "build_placement", "bundle_resources", "cat_trajectories", "select_samples"]
+__all__ = ["Placement", "assign_blocks", "build_placement", "bundle_resources", "cat_trajectories"]

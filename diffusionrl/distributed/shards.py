@@ -1,7 +1,7 @@
-"""How a step's batch is cut across trainer ranks and rollout engines: whole blocks.
+"""How a step's batch is cut across rollout engines: whole blocks.
 
 A block is ``lcm(group_size, micro_batch_size)`` consecutive samples: whole groups (so group
-statistics stay on one rank) and whole micro-batches (so training recomputes with the
+statistics stay on one engine) and whole micro-batches (so training recomputes with the
 composition the engine sampled with; SD3 outputs depend on the batch). Share ``r`` of ``n`` is the
 contiguous run of blocks ``[r * B / n, (r + 1) * B / n)``.
 """
@@ -24,28 +24,6 @@ def assign_blocks(batch: int, group_size: int, micro_batch_size: int, shares: in
         raise ValueError(f"{batch} samples do not split into {shares} shares of whole blocks of {block}")
     per = batch // shares
     return [slice(r * per, (r + 1) * per) for r in range(shares)]
-
-
-def select_samples(traj: Trajectory, sl: slice) -> Trajectory:
-    """Samples ``sl`` of a trajectory (``sl`` covers whole micro-batches)."""
-    def pick(value):
-        return None if value is None else value[sl]
-
-    return replace(
-        traj,
-        prompts=list(traj.prompts[sl]),
-        group_ids=traj.group_ids[sl],
-        seeds=traj.seeds[sl],
-        sde_mask=traj.sde_mask[sl],
-        latents=traj.latents[sl],
-        log_probs=traj.log_probs[sl],
-        conditioning=traj.conditioning.select(sl),
-        images=pick(traj.images),
-        rewards=pick(traj.rewards),
-        reward_components={k: v[sl] for k, v in traj.reward_components.items()},
-        advantages=pick(traj.advantages),
-        metadata=None if traj.metadata is None else list(traj.metadata[sl]),
-    )
 
 
 def cat_trajectories(parts: list[Trajectory]) -> Trajectory:
