@@ -7,7 +7,8 @@ running the objective's step on the whole batch and computing its share of the u
 (``distributed.worker.deal``). Each timing is the median of ``--repeats`` steps after one warm-up step;
 ranks report their wall time and the time inside torch.distributed collectives (torch.profiler,
 ``c10d``/``gloo`` events). The LoRA is reset before every step (``TrainerRank.reset``), so every step
-does the same work. Also printed: the bytes of the LoRA the engines receive per step.
+does the same work. Also printed: the bytes the engines receive per step, of the LoRA and, with
+``model.finetune=full``, of every transformer weight (fp32).
 
     python bench/ranks.py [--objectives flow_grpo,nft] [--world-sizes 1,2,4] [--repeats 3] [--set k=v ...]
 
@@ -142,8 +143,10 @@ def main() -> None:
             policy = LoraPolicy(adapter, cfg.model, seed=cfg.train.seed)
             start = policy.lora_state()
             traj, active = scored_batch(cfg, adapter, policy, ode=not objective(name).sde)
+            weights = policy.model.get_base_model().named_parameters()
             row: dict = {"samples": traj.batch_size,
-                         "lora_bytes_pushed": sum(t.numel() * t.element_size() for t in start.values())}
+                         "lora_bytes_pushed": sum(t.numel() * t.element_size() for t in start.values()),
+                         "full_bytes_pushed": sum(p.numel() * 4 for n, p in weights if "lora_" not in n)}
             base = None
             for w in sizes:
                 if w == 1:

@@ -85,7 +85,7 @@ def prompts_with_a_success(success, groups) -> float:
 def evaluate_lora(
     cfg: Config, test_rows: list[dict], lora_dir: str | Path, model_path: str | None = None
 ) -> EvalResult:
-    """Score the base model and the LoRA on the same prompts and seeds.
+    """Score the base model and the LoRA (or a full fine-tune's model folder) on the same prompts and seeds.
 
     ``model_path`` overrides where the base weights are loaded from (a fetched checkpoint
     folder); the identity stays ``cfg.model.name``.
@@ -97,7 +97,12 @@ def evaluate_lora(
         raise ValueError("evaluation needs at least one held-out prompt")
     model_cfg = dataclasses.replace(cfg.model, name=model_path or cfg.model.name)
     adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
-    tuned_transformer = PeftModel.from_pretrained(copy.deepcopy(adapter.transformer), str(lora_dir)).eval()
+    from diffusionrl.training.full import is_full_model, load_transformers
+
+    if is_full_model(lora_dir):  # a full fine-tune's model folder (training.full.write_full_model)
+        tuned_transformer = load_transformers(adapter.transformer, lora_dir)
+    else:
+        tuned_transformer = PeftModel.from_pretrained(copy.deepcopy(adapter.transformer), str(lora_dir)).eval()
     prompts, groups, seeds, metadata = eval_samples(rows, cfg.eval.seeds_per_prompt, cfg.eval.seed)
     micro = max(1, min(cfg.train.micro_batch_size, len(prompts)))
     while len(prompts) % micro:

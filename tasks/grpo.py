@@ -374,7 +374,8 @@ def report(config: Config, metrics: pd.DataFrame, eval_table: pd.DataFrame, eval
     from diffusionrl.video import read_frames
 
     artifacts = report_artifacts(run, registered, run_dir, config.tracking.max_artifact_mb,
-                                 lora, "LoRA (peft adapter)", trajectories, "trajectories",
+                                 lora, "LoRA (peft adapter)" if config.model.finetune == "lora" else
+                                 "trained transformer (diffusers model folders)", trajectories, "trajectories",
                                  "trajectories (Parquet, one file per step)")
     artifacts["prompt data digest"] = prompts_digest
     artifacts["base model"] = f"{config.model.name} (digest {model_digest[:16]})"

@@ -133,20 +133,22 @@ def _one_process_gradient(cfg, policy, start, traj, active) -> dict[str, torch.T
     ("tiny-cpu-wan", 2, tuple(OBJECTIVES), "both"),
     ("tiny-cpu-wan22", 2, ("flow_grpo", "grpo_guard"), "both"),
     ("tiny-cpu-wan22", 2, ("flow_grpo",), "high"),
+    ("tiny-cpu", 2, ("flow_grpo", "nft"), "full"),  # model.finetune=full: every weight, the reference a copy
 ])
 def test_fsdp_ranks_give_one_process_gradient_for_every_objective(ray_cluster, preset, world_size, objectives,
                                                                   experts):
     from diffusionrl.models import load_adapter
-    from diffusionrl.training.policy import LoraPolicy
+    from diffusionrl.training.full import build_policy
 
-    dist = [f"train.world_size={world_size}", "train.rollout_engines=1", f"model.lora_experts={experts}"]
+    dist = [f"train.world_size={world_size}", "train.rollout_engines=1",
+            "model.finetune=full" if experts == "full" else f"model.lora_experts={experts}"]
     cfgs = {name: tiny_config(*dist, *OBJECTIVES[name], preset=preset) for name in objectives}
     first = cfgs[objectives[0]]
     placement, ranks = _ranks(first, world_size)  # the actors start while this process builds its own copy
     try:
         torch.manual_seed(first.train.seed)
         adapter = load_adapter(first.model)
-        policy = LoraPolicy(adapter, first.model, seed=first.train.seed)
+        policy = build_policy(adapter, first)
         start = policy.lora_state()
         batches = {ode: _scored_batch(first, adapter, policy, ode) for ode in (False, True)}
         ray.get([r.mark_start.remote() for r in ranks])

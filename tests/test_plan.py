@@ -16,7 +16,8 @@ from diffusionrl.plan.facts import builtin_facts, lora_params
 from diffusionrl.plan.model import GIB, plan
 
 TINY = ["tiny-cpu", "tiny-cpu-flux", "tiny-cpu-qwen-image", "tiny-cpu-wan"]
-GPU_PRESETS = ["sd35m-ocr", "sd35m-pickscore-nft", "flux1-dev-pickscore", "wan21-t2v-1.3b-ocr"]
+GPU_PRESETS = ["sd35m-ocr", "sd35m-pickscore-nft", "sd35m-pickscore-nft-full", "flux1-dev-pickscore",
+               "wan21-t2v-1.3b-ocr"]
 
 
 def _policy(cfg):
@@ -139,6 +140,60 @@ def test_parameter_lora_and_optimizer_bytes(preset):
     assert p.train["optimizer (AdamW, 2 x fp32)"] == pytest.approx(state, rel=0.05)
     copies = int(cfg.train.ema) + (1 if cfg.algorithm.name == "nft" else 0)
     assert p.train["EMA / old-policy LoRA copies"] == copies * lora
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu", "tiny-cpu-nft"])
+def test_full_fine_tune_parameter_gradient_optimizer_and_copy_bytes(preset):
+    """model.finetune=full: the real FullPolicy's trained weights, reference copy, gradients, AdamW state after
+    one step and EMA / old-policy copies against the plan's parts; 2 ranks' share is half of each."""
+    from diffusionrl.config import load_config
+    from diffusionrl.models import load_adapter
+    from diffusionrl.training.full import FullPolicy
+
+    cfg = load_config(preset, overrides=["model.finetune=full", "train.ema=true"])
+    adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
+    policy = FullPolicy(adapter, cfg.model, reference=True)
+    p = plan(cfg)
+    weights = sum(t.numel() * t.element_size() for t in policy.parameters())
+    weights += sum(b.numel() * b.element_size() for b in adapter.transformer.buffers() if b.is_floating_point())
+    assert p.train["transformer weights (fp32, trained)"] == pytest.approx(weights, rel=0.05)
+    reference = sum(t.numel() * t.element_size() for t in policy.frozen.parameters())
+    reference += sum(b.numel() * b.element_size() for b in policy.frozen.buffers() if b.is_floating_point())
+    assert p.train["reference (frozen copy of the base transformer)"] == pytest.approx(reference, rel=0.05)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    for q in policy.parameters():
+        q.grad = torch.ones_like(q)
+    grads = sum(q.grad.numel() * q.grad.element_size() for q in policy.parameters())
+    assert p.train["gradients (fp32)"] == pytest.approx(grads, rel=0.05)
+    opt.step()
+    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
+    assert p.train["optimizer (AdamW, 2 x fp32)"] == pytest.approx(state, rel=0.05)
+    copies = 1 + (cfg.algorithm.name == "nft")  # the EMA, and DiffusionNFT's old policy
+    assert p.train["EMA / old-policy transformer copies"] == pytest.approx(copies * grads, rel=0.05)
+    assert "LoRA (fp32)" not in p.train and any("model.finetune=full" in n for n in p.notes)
+    two = plan(load_config(preset, overrides=["model.finetune=full", "train.ema=true", "train.world_size=2"]))
+    for part in ("gradients (fp32)", "optimizer (AdamW, 2 x fp32)", "EMA / old-policy transformer copies"):
+        assert two.train[part] == pytest.approx(p.train[part] / 2, rel=1e-9), part
+
+
+def test_the_planner_refuses_a_full_fine_tune_that_does_not_fit_and_names_the_knobs():
+    from diffusionrl.plan.check import PlanError, check_fits
+
+    cfg = get_preset("sd35m-pickscore-nft-full")
+    assert cfg.model.finetune == "full" and cfg.model.dtype == "float32"
+    assert plan(cfg, "H100").fits  # its documented cluster
+    one = load_config_with(cfg, ["train.world_size=1", "train.rollout_engines=1", "train.prompts_per_step=8",
+                                 "train.group_size=8"])
+    with pytest.raises(PlanError) as err:
+        check_fits(one, "nvidia-h100")
+    message = str(err.value)
+    assert "does not fit" in message and "fix with" in message and "train.world_size" in message, message
+
+
+def load_config_with(cfg, overrides):
+    from diffusionrl.config import Config, apply_overrides
+
+    return Config.from_dict(apply_overrides(cfg.to_dict(), overrides))
 
 
 def test_cached_figures_match_a_fresh_measurement():

@@ -195,6 +195,29 @@ def test_two_rank_diffusionnft_runs_through_the_workflow(grpo, tmp_path):
     assert {"eval/reward_mean", "eval/base_reward_mean"} <= set(out.eval_summary)
 
 
+def test_a_full_fine_tune_runs_through_the_workflow_and_serves(grpo, tmp_path):
+    """model.finetune=full: train every weight, evaluate the model folder, register it as a pyfunc model that
+    loads the base pipeline with the trained transformer and generates PNGs, report."""
+    import mlflow
+
+    ckpt = tmp_path / "ckpt"
+    out = grpo(config=TINY_CPU, checkpoint_dir=str(ckpt),
+               overrides=SMALL + ["train.steps=1", "eval.num_prompts=1", "model.finetune=full",
+                                  "tracking.registered_model=tiny-sd3-full"])
+    model = Path(out.lora.path)
+    assert json.loads((model / "diffusionrl.json").read_text())["finetune"] == "full"
+    assert (model / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert {"eval/reward_mean", "eval/base_reward_mean"} <= set(out.eval_summary) and out.registered.version
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    version = client.get_model_version("tiny-sd3-full", out.registered.version)
+    assert version.description.startswith("Full fine-tune of ")
+    assert not (ROOT / "mlruns").exists()  # the model is logged beside its run, not into a local default store
+    served = mlflow.pyfunc.load_model(f"models:/tiny-sd3-full/{out.registered.version}")
+    png = served.predict(pd.DataFrame({"prompt": ["a red cat"]}),
+                         params={"num_inference_steps": 2, "height": 32, "width": 32})
+    assert len(png) == 1 and png[0][:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_bad_warm_start_setting_fails_before_anything_runs(grpo):
     with pytest.raises(Exception, match=r"unknown key 'lerning_rate'"):
         grpo(config=TINY_CPU, overrides=SMALL, sft_steps=1, sft_overrides=["train.lerning_rate=0.1"])

@@ -257,8 +257,10 @@ def check_objective_fit(cfg) -> None:
             f"algorithm.name={name} needs stochastic rollouts: set sampling.sde_type to sde, dance or cps "
             "(ode has no log-probs to train on)"
         )
-    if train_cfg.world_size > 1 and (cfg.algorithm.init_lora or spec.one_process):
-        raise ConfigError("algorithm.init_lora and algorithm.name=sft run in one process: set train.world_size=1")
+    if train_cfg.world_size > 1 and spec.one_process:
+        raise ConfigError(f"algorithm.name={name} runs in one process: set train.world_size=1")
+    if cfg.model.finetune == "full":
+        check_full_finetune(cfg)
     if sampling_cfg.same_latent and not spec.sde:
         raise ConfigError(
             f"sampling.same_latent with algorithm.name={name}: its rollouts are ODE, so a group sharing its initial "
@@ -272,3 +274,31 @@ def check_objective_fit(cfg) -> None:
             "sampling.sde_type=dance is not available with sampling.engine=sglang (the server samples sde or cps); "
             "use sampling.engine=local"
         )
+
+
+def needs_reference(cfg) -> bool:
+    """Whether the objective forwards the reference model: a KL term, or DPO's implicit reward (a full
+    fine-tune then holds a frozen copy of the base transformer, ``training.full.FullPolicy``)."""
+    if not objective(cfg.algorithm.name).rewarded:  # sft: plain flow matching, no reference
+        return False
+    return cfg.algorithm.kl_beta > 0 or cfg.algorithm.name == "dpo"
+
+
+def check_full_finetune(cfg) -> None:
+    """``model.finetune=full``: what full fine-tuning runs with (``training.full.FullPolicy``)."""
+    if cfg.model.dtype != "float32":
+        raise ConfigError(
+            f"model.finetune=full with model.dtype={cfg.model.dtype}: every transformer weight trains, so the weights "
+            "are the fp32 master copy; set model.dtype=float32 (train.mixed_precision sets the compute precision)"
+        )
+    if cfg.algorithm.init_lora:
+        raise ConfigError("model.finetune=full starts from the base weights: algorithm.init_lora (a LoRA) does not "
+                          "apply; set algorithm.init_lora='' or model.finetune=lora")
+    if cfg.sampling.engine != "local":
+        raise ConfigError(
+            f"model.finetune=full with sampling.engine={cfg.sampling.engine}: the SGLang engine takes LoRA updates "
+            "only; use sampling.engine=local"
+        )
+    if cfg.model.lora_experts != "both":
+        raise ConfigError(f"model.finetune=full trains both experts' weights: model.lora_experts="
+                          f"{cfg.model.lora_experts} is for a LoRA; leave it at both")

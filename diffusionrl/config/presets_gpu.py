@@ -81,6 +81,16 @@ SD35M_PICKSCORE_NFT: dict[str, Any] = {
     "eval": {"guidance_scale": 1.0},
 }
 
+# Over sd35m-pickscore-nft: the same recipe with every transformer weight trained (model.finetune=full): fp32
+# master weights computed in bf16 (FSDP2's param_dtype), fp32 gradients and AdamW state sharded over the 8
+# ranks and offloaded to the host while the engines sample; the KL reference is a frozen fp32 copy of the
+# base transformer, sharded like it; a full fine-tune's learning rate. Never run (no GPU has run this code).
+SD35M_PICKSCORE_NFT_FULL: dict[str, Any] = {
+    "model": {"finetune": "full", "dtype": "float32"},
+    "train": {"mixed_precision": "bf16", "learning_rate": 1e-5},
+    "tracking": {"registered_model": "sd35m-pickscore-full"},
+}
+
 # What the 8-GPU recipes share (not a preset by itself), laid under each: 8 FSDP2 trainer ranks, each GPU bundle
 # (4 CPUs) also holding a local rollout engine (placement colocate, one engine a rank; docs/scaling.md); the
 # engines hand their memory to the trainer while it trains (memory_handoff) and the optimizer state waits in
@@ -280,6 +290,7 @@ FLUX2_KLEIN_BASE_PICKSCORE: dict[str, Any] = {
 GPU_PRESETS: dict[str, tuple[dict[str, Any], ...]] = {
     "sd35m-ocr": (SD35M_GPU, SD35M_OCR),
     "sd35m-pickscore-nft": (SD35M_GPU, EIGHT_GPU_COLOCATED, SD35M_PICKSCORE_NFT),
+    "sd35m-pickscore-nft-full": (SD35M_GPU, EIGHT_GPU_COLOCATED, SD35M_PICKSCORE_NFT, SD35M_PICKSCORE_NFT_FULL),
     "flux1-dev-pickscore": (EIGHT_GPU_COLOCATED, FLUX1_DEV_PICKSCORE),
     "flux2-dev-pickscore": (EIGHT_GPU_COLOCATED, FLUX2_DEV_PICKSCORE),
     "flux2-klein-base-4b-pickscore": (EIGHT_GPU_COLOCATED, FLUX2_DEV_PICKSCORE, FLUX2_KLEIN_BASE_PICKSCORE),

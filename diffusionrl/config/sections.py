@@ -46,6 +46,10 @@ class ModelConfig:
         "steps) | low (transformer_2, low-noise steps)"
     )
     gradient_checkpointing: bool = option(False, "Recompute transformer activations in backward")
+    finetune: Literal["lora", "full"] = option(
+        "lora", "What trains: lora (a peft LoRA on model.lora_targets, the base frozen) | full (every transformer "
+        "weight, fp32 master weights; the KL reference is a frozen copy of the base transformer)"
+    )
 
     def __post_init__(self) -> None:
         check_constraints(self, "model")

@@ -34,19 +34,21 @@ def mesh_for(device: torch.device, world_size: int):
 def shard_policy(
     policy, mixed_precision: str, device: torch.device, world_size: int, reshard_after_forward: bool = True
 ):
-    """Shard ``policy.model`` in place; refreshes ``policy.params`` (now DTensors).
+    """Shard the policy's modules in place (``policy.sharded_modules()``: the LoRA-wrapped transformer; with
+    full fine-tuning the transformer and its frozen reference copy); refreshes ``policy.params`` (now DTensors).
 
-    Returns the FSDP root and the loss multiplier of ``set_sum_reduction``."""
-    transformer = policy.model.get_base_model()
+    Returns the FSDP root of the trained transformer and the loss multiplier of ``set_sum_reduction``."""
     mesh = mesh_for(device, world_size)
     amp = AMP_DTYPES[mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32, cast_forward_inputs=False)
     kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
-    for block in block_units(transformer):
-        fully_shard(block, **kw)
-    fully_shard(transformer, **kw)
-    policy.params = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
-    return transformer, set_sum_reduction(transformer, device)
+    modules = policy.sharded_modules()
+    for transformer in modules:
+        for block in block_units(transformer):
+            fully_shard(block, **kw)
+        fully_shard(transformer, **kw)
+    policy.refresh_params()
+    return modules[0], set_sum_reduction(modules[0], device)
 
 
 def block_units(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -143,8 +143,9 @@ class TrainerRank:
         from diffusionrl.models import load_adapter
         from diffusionrl.models.sd3 import resolve_device
         from diffusionrl.rollout.factory import make_engine
+        from diffusionrl.training.full import build_policy
         from diffusionrl.training.objective import build_objective
-        from diffusionrl.training.policy import LoraPolicy, warm_start
+        from diffusionrl.training.policy import warm_start
 
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
@@ -159,7 +160,7 @@ class TrainerRank:
         torch.manual_seed(cfg.train.seed)
         model_cfg = dataclasses.replace(cfg.model, name=model_path) if model_path else cfg.model
         self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
-        self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
+        self.policy = build_policy(self.adapter, cfg)
         warm_start(cfg, self.policy)  # algorithm.init_lora, before the engine copies the policy
         # The engine is built before sharding: it copies/keeps the full base weights it serves.
         self.engine = (engine_factory or make_engine)(cfg, self.adapter, self.policy) if holds_engine else None
@@ -317,6 +318,14 @@ class TrainerRank:
         finally:
             if live is not None:
                 load_full_state(self.policy.params, live)
+
+    def full_model(self, ema: bool = False) -> tuple[list, dict[str, torch.Tensor]]:
+        """Full fine-tuning: ``training.full.transformer_parts`` and the gathered weights (their EMA with
+        ``ema``), full tensors on CPU (a collective: every rank)."""
+        from diffusionrl.training.full import transformer_parts
+
+        state = full_state(self.trainer.ema.shadow if ema else self.policy.params)
+        return transformer_parts(self.policy.live), state
 
     def peft_config(self):
         return self.policy.model.peft_config["default"]

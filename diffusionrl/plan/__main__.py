@@ -17,7 +17,8 @@ from diffusionrl.errors import run_cli
 from .knobs import advise, scaled
 from .model import GIB, GPUS, MFU, plan
 
-TABLE_PRESETS = ("sd35m-ocr", "sd35m-pickscore-nft", "flux1-dev-pickscore", "wan21-t2v-1.3b-ocr")
+TABLE_PRESETS = ("sd35m-ocr", "sd35m-pickscore-nft", "sd35m-pickscore-nft-full", "flux1-dev-pickscore",
+                 "wan21-t2v-1.3b-ocr")
 TABLE_GPUS = (1, 2, 8)
 DOC = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
 BEGIN, END = "<!-- plan-table: begin (python -m diffusionrl.plan --table --write) -->", "<!-- plan-table: end -->"

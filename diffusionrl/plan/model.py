@@ -16,6 +16,12 @@ Bytes come from counted parameters (``facts.py``) and measured activations (``me
 - a fragmentation margin (``FRAGMENTATION`` of the tensors) and a CUDA context per process, which
   ``torch.cuda.max_memory_allocated`` does not see.
 
+With ``model.finetune=full`` the trained tensors are the whole transformer: fp32 weights (sharded,
+their units gathered in the compute precision), fp32 gradients and AdamW state of every weight, the
+EMA and old-policy copies of every weight, a frozen fp32 reference copy when the objective forwards
+one (``config.objectives.needs_reference``), and an fp32 engine copy; activations and FLOPs stay the
+LoRA targets' measurement (a note says so).
+
 Time: FLOPs of every forward and backward of the step (FlopCounterMode on the real shapes) at a
 stated MFU of the GPU's dense fp16/bf16 (tf32 without mixed precision) peak.
 """
@@ -26,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from diffusionrl.config import RANKED, objective
+from diffusionrl.config.objectives import needs_reference
 
 from .archs import tokens
 from .facts import flops, lora_params, model_facts, reward_params
@@ -152,26 +159,33 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
     batches = forward_batches(stub.cfg_mode, mb, cfg_pass)
     side = s.resolution // facts["vae_scale"]
     frames = (s.num_frames - 1) // facts["temporal_scale"] + 1 if family == "wan" else 1
-    lora = lora_params(facts, lora_suffixes(family, m.lora_targets), m.lora_rank) * 4
+    full = m.finetune == "full"  # every transformer weight trains (fp32 master weights: model.dtype float32)
+    # the trained tensors: the LoRA, or the whole transformer
+    lora = facts["params"] * 4 if full else lora_params(facts, lora_suffixes(family, m.lora_targets), m.lora_rank) * 4
     holds_engine = W == 1 or (tc.placement == "colocate" and rank < tc.rollout_engines)
     weights = (facts["params"] + facts["buffers"]) * wb
+    kind = "transformer" if full else "LoRA"
 
     # -- parts present in both phases
     common: dict[str, float] = {}
+    base = "transformer weights (fp32, trained)" if full else "base weights"
     if W == 1:
-        common["base weights"] = weights
+        common[base] = weights
     else:
         gathered = 2 * max(facts["fsdp_units"] or [0]) * amp_b
-        common["base weights"] = facts["params"] * wb / W + facts["buffers"] * wb
+        common[base] = facts["params"] * wb / W + facts["buffers"] * wb
         common["base weights (gathered: root unit + 2 blocks)"] = facts["fsdp_root"] * amp_b + gathered
-    common["LoRA (fp32)"] = lora / W
-    common["reference (LoRA disabled: no copy)"] = 0.0
-    old = int(objective(ac.name).old_policy)  # an fp32 LoRA copy (and no-grad forwards) of the old policy
+    if not full:
+        common["LoRA (fp32)"] = lora / W
+        common["reference (LoRA disabled: no copy)"] = 0.0
+    elif needs_reference(cfg):  # a frozen fp32 copy of the base transformer, sharded like it
+        common["reference (frozen copy of the base transformer)"] = common[base]
+    old = int(objective(ac.name).old_policy)  # an fp32 copy (and no-grad forwards) of the old policy
     copies = int(tc.ema) + old
-    common["EMA / old-policy LoRA copies"] = copies * lora / W
+    common[f"EMA / old-policy {kind} copies"] = copies * lora / W
     common["text encoders + VAE"] = sum(facts["others"].values()) * wb
     if holds_engine and s.engine == "local":
-        common["rollout engine (local: full transformer copy)"] = weights + lora
+        common["rollout engine (local: full transformer copy)"] = weights if full else weights + lora
     if rank == 0 and cfg.reward.num_actors == 0:
         common["reward models (GPU)"] = reward_params(cfg.reward.weights) * 2
     common["CUDA context"] = CUDA_CONTEXT
@@ -222,6 +236,10 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
         notes.append(f"MixGRPO-Flash compression: a rollout takes {rollout_steps(cfg)} of {s.num_steps} steps (the "
                      "window at the end of window_range, its longest)")
     notes.append(f"{n_img} image + {n_txt} text tokens per forward; {len(batches)} forward(s) of {batches} per unit")
+    if full:
+        notes.append("model.finetune=full: the activations and the backward's FLOPs are the LoRA targets' "
+                     "measurement; every other linear layer's saved input and weight gradient come on top (not "
+                     "measured)")
     if family == "qwen-image":
         notes.append("Qwen-Image's text is as long as the batch's longest prompt: model.max_sequence_length is planned")
     refused = ""

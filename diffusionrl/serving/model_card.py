@@ -275,7 +275,8 @@ def version_description(info: dict, results: dict | None, run_id: str) -> str:
     """A registered version's one-paragraph description: base model, objective, reward, steps,
     held-out score against the base model's, run id."""
     base, revision = info["base_model"], info["base_model_revision"]
-    text = (f"LoRA of {base}{'@' + revision if revision else ''} "
+    kind = "Full fine-tune" if info.get("finetune") == "full" else "LoRA"
+    text = (f"{kind} of {base}{'@' + revision if revision else ''} "
             f"(weights {str(info['base_model_digest'])[:16]}), {info['algorithm']}, "
             f"reward {_reward_text(info).replace('`', '')}, {info['step']} steps. ")
     if results and "eval/reward_mean" in results and "eval/base_reward_mean" in results:
@@ -328,3 +329,34 @@ def describe_folder(folder: str | Path, info: dict) -> Path:
     info = {**info, "lora_experts": experts} if experts else info
     (Path(folder) / "diffusionrl.json").write_text(json.dumps(info, indent=1))
     return write_card(folder, info)
+
+
+def render_full_card(info: dict, results: dict | None = None) -> str:
+    """The README.md of a full fine-tune's model folder (``training.full.save_transformers``): what it is,
+    held-out results where measured, how to load it into the base pipeline."""
+    base, algorithm, family = info["base_model"], info["algorithm"], info["family"]
+    front = ["---", *([f"base_model: {json.dumps(_card_base_model(base))}"] if _card_base_model(base) else []),
+             "library_name: diffusers", "tags:", *(f"- {json.dumps(t)}" for t in
+                                                  ("full-fine-tune", "diffusionrl", algorithm, family)), "---", ""]
+    components = info.get("components") or ["transformer"]
+    what = [f"# {base}, fully fine-tuned with {_what(algorithm, algorithm)}", "",
+            f"Every weight of the transformer of `{base}`, trained by diffusionrl: one diffusers model folder per "
+            f"transformer ({', '.join(f'`{c}/`' for c in components)}).", "",
+            f"- Base weights digest (SHA-256 of the loaded tensors): `{info['base_model_digest']}`",
+            f"- Family: {family} (`{info['pipeline_class']}`); objective `{algorithm}`; reward weights "
+            f"{_reward_text(info)}; training steps {info['step']}; config digest `{info['config_digest']}`"]
+    if "ema_decay" in info:
+        decay = _fmt(info["ema_decay"])
+        what.append(f"- Weights: the exponential moving average of the trained weights (decay {decay})")
+    if info.get("world_size"):
+        what.append(f"- Trainer ranks: {info['world_size']}")
+    held = ["", "## Held-out results", ""]
+    if results and result_rows(results):
+        held += ["| metric | this model | base model |", "| --- | --- | --- |",
+                 *(f"| {m} | {_fmt(t)} | {_fmt(b)} |" for m, t, b in result_rows(results))]
+    else:
+        held.append("Not measured when this folder was written: the run's report and MLflow run have the figures.")
+    here = json.dumps(_PLACEHOLDER)
+    body = [f"pipe.{c} = type(pipe.{c}).from_pretrained({here} + {json.dumps('/' + c)})" for c in components]
+    load = ["", "## How to load it", "", *_snippet(info, [], body), "", *_sampling(info)]
+    return "\n".join(front + what + held + load) + "\n"

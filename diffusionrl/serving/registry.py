@@ -203,22 +203,27 @@ def register_lora(run: TrackingRun, cfg, lora_dir: str | Path, model_path: str, 
     from diffusionrl.evaluation import evaluate_lora
     from diffusionrl.models.fetch import base_model_reference
 
-    from .model_card import DIFFUSERS, render_card, version_description
+    from .full_model import log_full_model
+    from .model_card import DIFFUSERS, render_card, render_full_card, version_description
 
     facts = lora_info(lora_dir)
     score, base_score = champion_scores(cfg, summary)
     results = summary
-    card = render_card(facts, results, layout=DIFFUSERS)
-    info = log_lora_model(run, cfg, lora_dir, base_model_reference(cfg.model.name, model_path, model_digest),
-                          example_prompt=test_rows[0]["prompt"], metadata=lineage, card=card,
-                          example_image=image_bytes(test_rows[0]["image"]) if test_rows[0].get("image") else None)
+    full = facts.get("finetune") == "full"
+    card = render_full_card(facts, results) if full else render_card(facts, results, layout=DIFFUSERS)
+    log = log_full_model if full else log_lora_model
+    info = log(run, cfg, lora_dir, base_model_reference(cfg.model.name, model_path, model_digest),
+               example_prompt=test_rows[0]["prompt"], metadata=lineage, card=card,
+               example_image=image_bytes(test_rows[0]["image"]) if test_rows[0].get("image") else None)
     client(run.uri).log_text(run.run_id, card, "model_card/README.md")
 
     def rescore(model_dir: Path) -> float:
-        # mlflow.diffusers keeps the adapter in adapter_weights/, the video pyfunc in artifacts/adapter/
-        peft_dir = next(p for p in (model_dir / "adapter_weights" / PEFT_SUBDIR,
-                                    model_dir / "artifacts" / "adapter" / PEFT_SUBDIR) if p.is_dir())
-        return evaluate_lora(cfg, test_rows, peft_dir, model_path=model_path).summary[cfg.eval.champion_metric]
+        # mlflow.diffusers keeps the adapter in adapter_weights/, the video pyfunc in artifacts/adapter/, a full
+        # fine-tune's pyfunc its model folder in artifacts/model/
+        trained = next(p for p in (model_dir / "adapter_weights" / PEFT_SUBDIR,
+                                   model_dir / "artifacts" / "adapter" / PEFT_SUBDIR,
+                                   model_dir / "artifacts" / "model") if p.is_dir())
+        return evaluate_lora(cfg, test_rows, trained, model_path=model_path).summary[cfg.eval.champion_metric]
 
     key = eval_key(cfg, test_digest, model_digest)
     return register(run, cfg, info, score, key, lineage, rescore=rescore,

@@ -19,8 +19,9 @@ from diffusionrl.rollout.factory import make_engine
 from diffusionrl.run import CheckpointState
 from diffusionrl.trajectory import Trajectory
 
+from .full import build_policy
 from .objective import build_objective
-from .policy import LoraPolicy, warm_start
+from .policy import warm_start
 from .preflight import check_inputs
 from .trainer import Trainer
 
@@ -39,7 +40,7 @@ class LocalPolicyWorker:
         check_inputs(cfg, model_path)  # a mistake in the model or init_lora: one line, before the weights load
         model_cfg = dataclasses.replace(cfg.model, name=model_path) if model_path else cfg.model
         self.adapter = load_adapter(model_cfg, cfg.train.mixed_precision)
-        self.policy = LoraPolicy(self.adapter, cfg.model, seed=cfg.train.seed)
+        self.policy = build_policy(self.adapter, cfg)
         warm_start(cfg, self.policy)  # e.g. an SFT run's LoRA, before the optimizer and old copies
         self.trainer = Trainer(cfg, self.policy)
         self.objective = build_objective(cfg, self.policy)
@@ -96,10 +97,21 @@ class LocalPolicyWorker:
     # -- outputs ---------------------------------------------------------------------------------
     def save_lora(self, out_dir: Path, info: dict[str, Any]) -> tuple[Path, dict[str, Path]]:
         """The trained adapter in peft format (``adapter_model.safetensors``), and its EMA, each with
-        its model card (``serving.model_card``) in place of peft's empty template."""
+        its model card (``serving.model_card``) in place of peft's empty template; with full fine-tuning the
+        trained transformer(s) as diffusers model folders under ``model/`` (``model_ema/``)."""
         from diffusionrl.serving.model_card import adapter_facts, describe_folder
 
         info = {**info, **adapter_facts(self.cfg, self.adapter.family, self.adapter.pipeline_class)}
+        if self.policy.finetune == "full":  # every transformer weight: diffusers model folders
+            from .full import transformer_parts, write_full_model
+
+            parts = transformer_parts(self.policy.live)
+            out = write_full_model(parts, self.policy.lora_state(), out_dir / "model", info)
+            extra = {}
+            if self.trainer.ema is not None:
+                extra["ema"] = write_full_model(parts, self.trainer.ema.state(), out_dir / "model_ema",
+                                                {**info, "ema_decay": self.cfg.train.ema_decay})
+            return out, extra
         out = out_dir / "lora"
         self.policy.model.save_pretrained(str(out))
         describe_folder(out, info)

@@ -41,6 +41,15 @@ class LoraPolicy:
         if not self.params:
             raise RuntimeError("the LoRA policy has no trainable parameters")
 
+    finetune = "lora"
+
+    def sharded_modules(self) -> list[torch.nn.Module]:
+        """The modules FSDP2 shards (``distributed.fsdp.shard_policy``): the transformer with its LoRA layers."""
+        return [self.model.get_base_model()]
+
+    def refresh_params(self) -> None:
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.params.values())
 
