@@ -45,7 +45,7 @@ def test_a_new_execution_closes_the_runs_of_a_killed_one(uri):
     killed_train = run("killed", "train", heartbeat=now - 3500, **{tracking.PARENT_TAG: killed.info.run_id})
     live = run("live", heartbeat=now - 60, start_ms=hour_ago_ms)
     live_prepare = run("live", "prepare", start_ms=hour_ago_ms)  # no heartbeat of its own: its execution is alive
-    legacy = run("legacy", start_ms=hour_ago_ms)  # from before heartbeats: judged by its start
+    legacy = run("legacy", start_ms=hour_ago_ms)  # killed before its first heartbeat: judged by its start
     foreign = c.create_run(exp, start_time=hour_ago_ms)  # not made by this code: left alone
 
     new = tracking.start_workflow_run(config(uri, "killed"), {"flyte_execution_id": "new"})

@@ -87,10 +87,13 @@ class EditPretrainer(Checkpointed):
         if not path.is_file():
             return
         saved = torch.load(path, weights_only=False)
-        changed = sorted(k for k in FIXED if saved["args"].get(k) != self._fixed_args()[k])
+        missing = [k for k in FIXED if k not in saved["args"]]
+        if missing:
+            raise SystemExit(f"{path} records no {', '.join(missing)}, settings a --work binds; use another --work")
+        changed = sorted(k for k in FIXED if saved["args"][k] != self._fixed_args()[k])
         if changed:
             raise SystemExit(f"{path} was written with other settings ({', '.join(changed)}: "
-                             f"{[saved['args'].get(k) for k in changed]}); use them or another --work")
+                             f"{[saved['args'][k] for k in changed]}); use them or another --work")
         self.transformer.load_state_dict(saved["transformer"])
         self.opt.load_state_dict(saved["opt"])
         self.ema, self.state = saved["ema"], saved["state"]

@@ -42,8 +42,7 @@ class VideoLoraModel(mlflow.pyfunc.PythonModel):
         with no_progress_bars():
             pipe = DiffusionPipeline.from_pretrained(s["base_model"], revision=s.get("revision") or None,
                                                      token=hf_token(), **dtype_kwargs(torch.float32))
-        # a model logged before two-expert LoRAs names one file (weight_name), for the transformer
-        for component, name in (s.get("weight_names") or {"transformer": s["weight_name"]}).items():
+        for component, name in s["weight_names"].items():  # pipeline component -> its LoRA file
             pipe.load_lora_weights(context.artifacts[ADAPTER_ARTIFACT], weight_name=name,
                                    **({"load_into_transformer_2": True} if component == "transformer_2" else {}))
         self.pipe = pipe.to("cuda" if torch.cuda.is_available() else "cpu")
