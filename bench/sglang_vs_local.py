@@ -38,16 +38,7 @@ from diffusionrl.training.policy import LoraPolicy
 
 
 def recompute_diff(cfg, policy, traj) -> float:
-    zeros = torch.zeros(traj.batch_size)
-    traj = traj.with_rewards(zeros, {}, zeros)
-    probe = {"open": True}
-    units = FlowGRPOObjective(cfg, policy).units(
-        traj, traj.micro_batches(), torch.ones(traj.batch_size, dtype=torch.bool), np.random.default_rng(0), probe
-    )
-    with torch.no_grad():
-        for unit in units:
-            unit.compute()
-    return probe["sum"] / probe["count"]
+    return FlowGRPOObjective(cfg, policy).recompute_log_prob_diff(traj)[0]
 
 
 def median_time(fn, repeats: int) -> float:

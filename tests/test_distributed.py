@@ -183,6 +183,65 @@ def test_fsdp_ranks_give_one_process_gradient_for_every_objective(ray_cluster, p
         placement.remove()
 
 
+def test_every_objective_on_two_ranks_resumes_bitwise_and_steps_as_one_process(ray_cluster):
+    """For every objective, on one group of 2 ranks: two RL steps straight through equal one step, a checkpoint
+    of the ranks' state (LoRA, AdamW, EMA, the objective's tensors: what RankGroup.checkpoint_parts gathers),
+    a fresh trainer and objective loading it (a restart) and the second step, bit for bit; and the first
+    step's LoRA equals one process's to fp32 tolerance."""
+    from diffusionrl.models import load_adapter
+    from diffusionrl.training.objective import build_objective
+    from diffusionrl.training.policy import LoraPolicy
+    from diffusionrl.training.trainer import Trainer
+
+    cfgs = {name: tiny_config(*DIST, "train.ema=true", *OBJECTIVES[name]) for name in OBJECTIVES}
+    placement, ranks = _ranks(cfgs["flow_grpo"])
+    try:
+        torch.manual_seed(0)
+        adapter = load_adapter(cfgs["flow_grpo"].model)
+        policy = LoraPolicy(adapter, cfgs["flow_grpo"].model, seed=cfgs["flow_grpo"].train.seed)
+        start = policy.lora_state()
+        batches = {ode: _scored_batch(cfgs["flow_grpo"], adapter, policy, ode) for ode in (False, True)}
+        ray.get([r.mark_start.remote() for r in ranks])
+
+        def on_all(method, *args):
+            return ray.get([getattr(r, method).remote(*args) for r in ranks])
+
+        for name, cfg in cfgs.items():
+            from diffusionrl.config import objective
+
+            traj, active = batches[not objective(name).sde]
+            on_all("reset", cfg.to_dict())
+            on_all("train_step", traj, active, 0)
+            first = on_all("lora_state")[0]
+            saved = {k: on_all(k)[0] for k in ("optimizer_state", "ema_state", "objective_state")}
+            on_all("train_step", traj, active, 1)
+            straight = on_all("lora_state")[0], on_all("ema_state")[0], on_all("objective_state")[0]
+            on_all("reset", cfg.to_dict())  # a restart: fresh trainer, optimizer and objective
+            on_all("load_lora_state", first)
+            on_all("load_optimizer_state", saved["optimizer_state"])
+            on_all("load_ema_state", saved["ema_state"])
+            on_all("load_objective_state", saved["objective_state"])
+            on_all("train_step", traj, active, 1)
+            resumed = on_all("lora_state")[0], on_all("ema_state")[0], on_all("objective_state")[0]
+            for a, b in zip(straight[:2], resumed[:2]):
+                assert all(torch.equal(a[k], b[k]) for k in a), name
+            for group in straight[2]:
+                assert all(torch.equal(straight[2][group][k], resumed[2][group][k]) for k in straight[2][group])
+
+            policy.load_lora_state(start)
+            trainer, one = Trainer(cfg, policy), build_objective(cfg, policy)
+            trainer.begin_step(0)
+            one.train_step(trainer, traj, active, 0)
+            mine = policy.lora_state()
+            assert any(not torch.equal(mine[k], start[k]) for k in mine), name
+            for k, t in mine.items():
+                assert torch.allclose(first[k], t, rtol=1e-4, atol=1e-6), (name, k)
+    finally:
+        for r in ranks:
+            ray.kill(r)
+        placement.remove()
+
+
 def test_two_rank_nft_run_resumes_bitwise_and_its_first_step_is_one_process(ray_cluster, tmp_path):
     """DiffusionNFT end to end on 2 ranks (local engine on rank 0): a run stopped after step 1 and resumed
     equals the uninterrupted run bit for bit (LoRA, old policy, metrics), and its first step equals one

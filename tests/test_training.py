@@ -34,14 +34,15 @@ def _grads(loop, traj, active, micro):
 
 def test_recomputed_log_probs_equal_rollout_log_probs_before_the_update(loop, scored):
     traj, active = scored
-    probe = {"open": True}
     rng = __import__("numpy").random.default_rng(0)
-    units = loop.backend.worker.objective.units(traj, traj.micro_batches(), torch.ones_like(active), rng, probe)
+    units = loop.backend.worker.objective.units(traj, traj.micro_batches(), torch.ones_like(active), rng,
+                                                {"open": True})  # the probe's flag: units report the difference
     with torch.no_grad():
-        for unit in units:
-            unit.compute()
-    assert probe["count"] == int(traj.sde_mask.sum())
-    assert probe["sum"] / probe["count"] <= 1e-6
+        total = sum(float(unit.compute()[1]["log_prob_mean_abs_diff"]) for unit in units)
+    count = sum(unit.count for unit in units)
+    assert count == int(traj.sde_mask.sum())
+    assert total / count <= 1e-6
+    assert loop.backend.worker.objective.recompute_log_prob_diff(traj) == (total / count, count)
 
 
 def test_gradient_does_not_depend_on_the_micro_batch_split(loop, scored):
