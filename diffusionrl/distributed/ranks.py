@@ -132,16 +132,11 @@ class RankGroup:
         rank0 = self.infos[0]
         info = {**info, **adapter_facts(self.cfg, rank0["family"], rank0["pipeline_class"])}
         if self.cfg.model.finetune == "full":  # every rank joins the gather; the driver writes the folders
-            from diffusionrl.training.full import write_full_model
+            from diffusionrl.training.full import write_full_outputs
 
             parts, state = self._all("full_model")[0]
-            out = write_full_model(parts, state, out_dir / "model", info)
-            extra = {}
-            if self.cfg.train.ema:
-                parts, state = self._all("full_model", True)[0]
-                extra["ema"] = write_full_model(parts, state, out_dir / "model_ema",
-                                                {**info, "ema_decay": self.cfg.train.ema_decay})
-            return out, extra
+            ema = self._all("full_model", True)[0][1] if self.cfg.train.ema else None
+            return write_full_outputs(parts, state, ema, out_dir, info, self.cfg.train.ema_decay)
         peft_config = self._all("peft_config")[0]
 
         def write(folder: Path, tensors: dict[str, torch.Tensor], extra: dict) -> Path:

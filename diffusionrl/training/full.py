@@ -21,12 +21,15 @@ from diffusionrl.config import ConfigError
 from diffusionrl.config.objectives import needs_reference
 from diffusionrl.models.base import FlowAdapter
 
+from .policy import TrainedTensors
 
-class FullPolicy:
+
+class FullPolicy(TrainedTensors):
     """Every transformer weight trains; ``model`` is the live transformer (the reference copy inside
-    ``reference()``)."""
+    ``reference()``); ``lora_state`` / ``load_lora_state`` / ``swapped`` act on all of them."""
 
     finetune = "full"
+    kind = "transformer"
 
     def __init__(self, adapter: FlowAdapter, model_cfg, reference: bool = False):
         self.adapter = adapter
@@ -40,7 +43,7 @@ class FullPolicy:
             self.live.enable_gradient_checkpointing()
         self.frozen = copy.deepcopy(self.live).requires_grad_(False) if reference else None
         self._in_reference = False
-        self.params = {n: p for n, p in self.live.named_parameters()}
+        self.refresh_params()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -52,32 +55,6 @@ class FullPolicy:
 
     def refresh_params(self) -> None:
         self.params = {n: p for n, p in self.live.named_parameters()}
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.params.values())
-
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        """Detached copies of every trained tensor (all of the transformer's), keyed by ``named_parameters``."""
-        return {n: p.detach().clone() for n, p in self.params.items()}
-
-    @torch.no_grad()
-    def load_lora_state(self, state: dict[str, torch.Tensor]) -> None:
-        missing, unknown = set(self.params) - set(state), set(state) - set(self.params)
-        if missing or unknown:
-            raise KeyError(f"transformer state mismatch: {len(missing)} missing, {len(unknown)} unknown tensors")
-        for name, value in state.items():
-            self.params[name].copy_(value)
-
-    @contextlib.contextmanager
-    def swapped(self, state: dict[str, torch.Tensor]):
-        """Inside: the network carries ``state`` (use under ``no_grad``, before any forward whose graph is
-        still needed); the live tensors are copied back on exit."""
-        live = self.lora_state()
-        self.load_lora_state(state)
-        try:
-            yield
-        finally:
-            self.load_lora_state(live)
 
     @contextlib.contextmanager
     def reference(self):
@@ -189,3 +166,16 @@ def is_full_model(folder) -> bool:
 
     info = Path(folder) / "diffusionrl.json"
     return info.is_file() and json.loads(info.read_text()).get("finetune") == "full"
+
+
+def write_full_outputs(parts, state: dict[str, torch.Tensor], ema_state: dict[str, torch.Tensor] | None, out_dir,
+                       info: dict, ema_decay: float):
+    """A full fine-tune's outputs under ``out_dir``: ``model/`` (``state``) and, with an EMA, ``model_ema/``
+    (``ema_state``), each ``write_full_model``. Returns the model folder and ``{"ema": folder}`` (or ``{}``)."""
+    from pathlib import Path
+
+    out = write_full_model(parts, state, Path(out_dir) / "model", info)
+    if ema_state is None:
+        return out, {}
+    return out, {"ema": write_full_model(parts, ema_state, Path(out_dir) / "model_ema",
+                                         {**info, "ema_decay": ema_decay})}

@@ -103,15 +103,11 @@ class LocalPolicyWorker:
 
         info = {**info, **adapter_facts(self.cfg, self.adapter.family, self.adapter.pipeline_class)}
         if self.policy.finetune == "full":  # every transformer weight: diffusers model folders
-            from .full import transformer_parts, write_full_model
+            from .full import transformer_parts, write_full_outputs
 
-            parts = transformer_parts(self.policy.live)
-            out = write_full_model(parts, self.policy.lora_state(), out_dir / "model", info)
-            extra = {}
-            if self.trainer.ema is not None:
-                extra["ema"] = write_full_model(parts, self.trainer.ema.state(), out_dir / "model_ema",
-                                                {**info, "ema_decay": self.cfg.train.ema_decay})
-            return out, extra
+            ema = self.trainer.ema.state() if self.trainer.ema is not None else None
+            return write_full_outputs(transformer_parts(self.policy.live), self.policy.lora_state(), ema, out_dir,
+                                      info, self.cfg.train.ema_decay)
         out = out_dir / "lora"
         self.policy.model.save_pretrained(str(out))
         describe_folder(out, info)

@@ -13,7 +13,41 @@ from diffusionrl.config import ConfigError
 from diffusionrl.models.base import FlowAdapter
 
 
-class LoraPolicy:
+class TrainedTensors:
+    """What every policy does with its trained tensors ``params`` (name -> parameter, as the subclass's
+    ``refresh_params`` collects them): the optimizer's list, detached copies, exact loads and swaps."""
+
+    kind = "LoRA"  # what the tensors are, in errors
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.params.values())
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the trainable tensors, keyed by ``named_parameters`` names."""
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def load_lora_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self.params) - set(state)
+        unknown = set(state) - set(self.params)
+        if missing or unknown:
+            raise KeyError(f"{self.kind} state mismatch: {len(missing)} missing, {len(unknown)} unknown tensors")
+        for name, value in state.items():
+            self.params[name].copy_(value)
+
+    @contextlib.contextmanager
+    def swapped(self, state: dict[str, torch.Tensor]):
+        """Inside: the network carries the tensors ``state`` (exact copies; use under ``no_grad`` and before any
+        forward whose graph is still needed), the live ones copied back on exit."""
+        live = self.lora_state()
+        self.load_lora_state(state)
+        try:
+            yield
+        finally:
+            self.load_lora_state(live)
+
+
+class LoraPolicy(TrainedTensors):
     """peft LoRA on the transformer's attention projections; only LoRA tensors train.
 
     The reference model of the KL term is the same network with the adapter disabled
@@ -37,7 +71,7 @@ class LoraPolicy:
         if model_cfg.gradient_checkpointing:
             self.model.get_base_model().enable_gradient_checkpointing()
         self.lora_config = lora_cfg
-        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.refresh_params()
         if not self.params:
             raise RuntimeError("the LoRA policy has no trainable parameters")
 
@@ -49,33 +83,6 @@ class LoraPolicy:
 
     def refresh_params(self) -> None:
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.params.values())
-
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        """Detached copies of the trainable tensors, keyed by ``named_parameters`` names."""
-        return {n: p.detach().clone() for n, p in self.params.items()}
-
-    @torch.no_grad()
-    def load_lora_state(self, state: dict[str, torch.Tensor]) -> None:
-        missing = set(self.params) - set(state)
-        unknown = set(state) - set(self.params)
-        if missing or unknown:
-            raise KeyError(f"LoRA state mismatch: {len(missing)} missing, {len(unknown)} unknown tensors")
-        for name, value in state.items():
-            self.params[name].copy_(value)
-
-    @contextlib.contextmanager
-    def swapped(self, state: dict[str, torch.Tensor]):
-        """Inside: the network carries the LoRA tensors ``state`` (exact copies; use under ``no_grad``
-        and before any forward whose graph is still needed), the live ones copied back on exit."""
-        live = self.lora_state()
-        self.load_lora_state(state)
-        try:
-            yield
-        finally:
-            self.load_lora_state(live)
 
     @torch.no_grad()
     def load_adapter_folder(self, folder: str | Path, label: str | None = None) -> None:
