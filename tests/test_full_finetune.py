@@ -101,7 +101,6 @@ def test_a_resumed_full_run_equals_the_uninterrupted_one(tmp_path, preset):
 @pytest.mark.parametrize("extra,needle", [
     (["model.dtype=bfloat16"], "model.dtype=float32"),
     (["algorithm.init_lora=/tmp/some-lora"], "algorithm.init_lora"),
-    (["sampling.engine=sglang"], "sampling.engine=local"),
     (["model.lora_experts=high"], "lora_experts"),
 ])
 def test_what_full_fine_tuning_refuses(extra, needle):

@@ -319,6 +319,45 @@ def test_weight_push_changes_outputs_and_restores(stack):
     assert torch.equal(before.latents, again.latents) and torch.equal(before.log_probs, again.log_probs)
 
 
+@requires_sglang
+def test_a_full_fine_tune_is_pushed_whole_verified_and_recomputed_exactly(stack):
+    """``model.finetune=full`` through the module's server: the engine checks the served base weights, pushes
+    every transformer parameter (by value on CPU, each tensor's SHA-256 and the module checksum verified), the
+    server samples with them and our trainer recomputes its log-probs; a state missing a parameter is refused
+    before anything is sent. The LoRA engine's weights are pushed back after."""
+    from diffusionrl.models import load_adapter
+    from diffusionrl.training.full import build_policy
+
+    _, _, lora_policy, lora_engine = stack
+    cfg = tiny_config(SLOW_START, "model.finetune=full", "sampling.sglang_verify_weights=true",
+                      preset="tiny-cpu-sglang")
+    adapter = load_adapter(cfg.model)
+    policy = build_policy(adapter, cfg)  # a FullPolicy, with the KL term's frozen reference
+    engine = SGLangRolloutEngine.from_config(cfg, adapter, policy, server=lora_engine.server)  # verifies the base
+    base = policy.lora_state()
+    try:
+        assert engine.module_check and set(engine.param_names) == set(base)
+        policy.load_lora_state(perturbed(base, scale=0.02))
+        engine.update_weights(policy.lora_state(), 1)  # verify_weights: every tensor and the module checksum
+        assert engine.server_checksum() == engine.expected_checksum() != lora_engine.expected_checksum()
+        prompts, groups, seeds = batch()
+        mask = np.zeros((4, 4), dtype=bool)
+        mask[:, :3] = True
+        traj = engine.generate(prompts, groups, seeds, spec(), mask)
+        diff, pairs = FlowGRPOObjective(cfg, policy).recompute_log_prob_diff(traj)
+        assert pairs == 12 and diff <= 1e-5, f"log_prob_mean_abs_diff {diff:.3e}"
+        print(f"full fine-tune through SGLang: log_prob_mean_abs_diff={diff:.3e} over {pairs} pairs")
+        partial = dict(list(policy.lora_state().items())[1:])
+        with pytest.raises(KeyError, match="1 missing"):
+            engine.update_weights(partial, 2)
+        assert engine.version == 1
+    finally:
+        engine.update_weights(base, 0)
+        engine.close()
+        lora_engine.update_weights(lora_policy.lora_state(), 0)
+    assert lora_engine.server.healthy() and lora_engine.server_checksum() == lora_engine.expected_checksum()
+
+
 # -- training with the SGLang engine ---------------------------------------------------------------
 
 

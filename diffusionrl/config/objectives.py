@@ -294,11 +294,6 @@ def check_full_finetune(cfg) -> None:
     if cfg.algorithm.init_lora:
         raise ConfigError("model.finetune=full starts from the base weights: algorithm.init_lora (a LoRA) does not "
                           "apply; set algorithm.init_lora='' or model.finetune=lora")
-    if cfg.sampling.engine != "local":
-        raise ConfigError(
-            f"model.finetune=full with sampling.engine={cfg.sampling.engine}: the SGLang engine takes LoRA updates "
-            "only; use sampling.engine=local"
-        )
     if cfg.model.lora_experts != "both":
         raise ConfigError(f"model.finetune=full trains both experts' weights: model.lora_experts="
                           f"{cfg.model.lora_experts} is for a LoRA; leave it at both")

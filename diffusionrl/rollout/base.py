@@ -97,8 +97,9 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def update_weights(self, lora_state: dict[str, torch.Tensor], version: int) -> None:
-        """Sample with this LoRA (names as in the policy's ``lora_state()``) from now on."""
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Sample with these trained tensors (the policy's ``lora_state()``: a LoRA, or a full fine-tune's
+        every transformer parameter) from now on."""
         ...
 
     def release_memory(self) -> None:

@@ -44,12 +44,13 @@ class LocalRolloutEngine:
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, lora_state: dict[str, torch.Tensor], version: int) -> None:
-        """Copy LoRA tensors (names as in the policy's ``named_parameters``) into the engine."""
-        unknown = [k for k in lora_state if k not in self._params]
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy the trained tensors (a LoRA's or every parameter; names as in the policy's ``named_parameters``)
+        into the engine."""
+        unknown = [k for k in state if k not in self._params]
         if unknown:
             raise KeyError(f"update_weights: {len(unknown)} unknown parameter names, e.g. {unknown[:3]}")
-        for name, value in lora_state.items():
+        for name, value in state.items():
             self._params[name].copy_(value.to(self._params[name].device, self._params[name].dtype))
         self.version = int(version)
 

@@ -2,7 +2,7 @@
 
 - ``server.py``: the ``sglang serve`` process (interpreter, ports, start/health/stop).
 - ``protocol.py``: the ``/rollout/generate`` wire format and answers -> ``Trajectory`` parts.
-- ``weight_sync.py``: merged-LoRA weight push (by value or CUDA IPC) and its verification.
+- ``weight_sync.py``: the weight push (merged LoRA or full weights; by value or CUDA IPC) and its verification.
 - ``engine.py``: ``SGLangRolloutEngine``, which ties them together (restarts and retries).
 """
 
@@ -25,6 +25,7 @@ from .weight_sync import (
     LoraLayer,
     base_transformer_state,
     buckets,
+    full_named,
     lora_layers,
     merge_lora,
     tensor_sha256,
@@ -45,6 +46,7 @@ __all__ = [
     "buckets",
     "decode_tensors",
     "free_port",
+    "full_named",
     "lora_layers",
     "merge_lora",
     "model_folder",

@@ -6,8 +6,9 @@ and talks to it over HTTP:
 - ``generate`` sends one ``POST /rollout/generate`` per group (the samples of one prompt and SDE step
   set, up to ``outputs_per_request`` outputs each), ``concurrency`` at a time, and turns the answers
   into our ``Trajectory`` (``protocol.py``: the wire format and how our contract maps to SGLang's).
-- ``update_weights`` pushes the trainer's LoRA as merged weights of the touched layers, tagged with
-  a weight version, and optionally verifies them on the server (``weight_sync.py``).
+- ``update_weights`` pushes the trainer's LoRA as merged weights of the touched layers (a full
+  fine-tune: every transformer parameter), tagged with a weight version, and optionally verifies them
+  on the server (``weight_sync.py``).
 - ``release_memory`` / ``resume_memory`` hand the server's GPU memory to a colocated trainer and
   back (``/release_memory_occupation``, ``/resume_memory_occupation``).
 - A server that dies (or stops answering) is restarted, the last weights re-pushed and the
@@ -34,7 +35,15 @@ from ..batch import RolloutBatch
 from . import weight_sync
 from .protocol import json_or_text, parse_generate_response, plan_requests, request_body, trajectory_fields
 from .server import PRECISIONS, SGLangServer, SGLangServerError, model_folder, resolve_sglang_python
-from .weight_sync import NamedTensors, base_transformer_state, lora_layers, merge_lora
+from .weight_sync import (
+    MODULE_CHECKSUM_MAX_NUMEL,
+    NamedTensors,
+    base_transformer_state,
+    full_base_state,
+    full_named,
+    lora_layers,
+    merge_lora,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +77,16 @@ class SGLangRolloutEngine:
         builtin: str = "",
         guidance_scale: float | None = None,
         t5_tokens: int | None = None,
+        finetune: str = "lora",
     ):
         """``server``: attach to a running server of the same base model instead of launching
         one (the engine then restarts it if it dies, but does not stop it on ``close``).
         ``guidance_scale``: what a guidance-distilled family's server embeds (FLUX: SGLang takes it
         per server); requests must then ask for the same scale. ``t5_tokens``: the T5 prompt length
-        the server encodes (``model.max_sequence_length``, the local engine's; ``None``: SGLang's)."""
+        the server encodes (``model.max_sequence_length``, the local engine's; ``None``: SGLang's).
+        ``finetune``: ``lora`` (``peft_model`` is the peft-wrapped transformer; pushes merge the LoRA into
+        the touched layers) or ``full`` (``peft_model`` is the trained transformer itself, before any
+        sharding; pushes carry every parameter)."""
         self.adapter = adapter
         self.cfg_pass = adapter.needs_negative(2.0)  # does the family sample with a negative (CFG) pass at all?
         self.micro_batch_size = micro_batch_size
@@ -89,8 +102,16 @@ class SGLangRolloutEngine:
         self.requests_sent = 0  # answered
         self.last_push_s = 0.0
         self.dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-        self.layers = lora_layers(peft_model)
-        self.base_state = base_transformer_state(peft_model)
+        if finetune == "full":
+            self.layers, self.param_names = None, [n for n, _ in peft_model.named_parameters()]
+            self.module_check = sum(t.numel() for t in peft_model.state_dict().values()) <= MODULE_CHECKSUM_MAX_NUMEL
+            self.base_state = full_base_state(peft_model, keep_params=self.module_check)
+            served = [(n, p.detach().to(self.dtype)) for n, p in peft_model.named_parameters()]
+        else:
+            self.layers, self.param_names = lora_layers(peft_model), None
+            self.base_state = base_transformer_state(peft_model)
+            self.module_check = sum(t.numel() for t in self.base_state.values()) <= MODULE_CHECKSUM_MAX_NUMEL
+            served = [(layer.param, layer.base.to(self.dtype)) for layer in self.layers]
         self._pushed: NamedTensors | None = None
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -109,17 +130,17 @@ class SGLangRolloutEngine:
             if self.owns_server:
                 self.server.start()
             if verify_weights:
-                self._verify([(layer.param, layer.base.to(self.dtype)) for layer in self.layers], "base weights")
+                self._verify(served, "base weights")
         except BaseException:
             self.close()
             raise
 
     @classmethod
-    def from_config(cls, cfg, adapter, policy) -> SGLangRolloutEngine:
+    def from_config(cls, cfg, adapter, policy, **kw) -> SGLangRolloutEngine:
+        """The engine ``cfg`` asks for over ``policy`` (a LoRA or a full fine-tune); ``kw`` adds to or overrides
+        the constructor's arguments (e.g. ``server``)."""
         sampling_cfg = cfg.sampling
-        return cls(
-            adapter,
-            policy.model,
+        return cls(adapter, policy.model, **dict(
             micro_batch_size=cfg.train.micro_batch_size,
             python=sampling_cfg.sglang_python,
             port=sampling_cfg.sglang_port,
@@ -133,7 +154,8 @@ class SGLangRolloutEngine:
             dtype=cfg.model.dtype,
             guidance_scale=sampling_cfg.guidance_scale,
             t5_tokens=cfg.model.max_sequence_length,
-        )
+            finetune=policy.finetune,
+        ) | kw)
 
     def _materialize_model(self) -> str:
         """The builtin model (``builtin``, default the family's ``builtin:tiny-<family>``) as a diffusers
@@ -187,10 +209,14 @@ class SGLangRolloutEngine:
                     self._push(self._pushed)
 
     # -- weights -------------------------------------------------------------------------------
-    def update_weights(self, lora_state: dict[str, torch.Tensor], version: int) -> None:
-        """Push the LoRA as merged weights of the touched layers, tagged with ``version``."""
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Push the trainer's weights, tagged with ``version``: ``state`` is the LoRA (pushed as merged weights
+        of the touched layers) or a full fine-tune's parameters (pushed whole, in the served precision)."""
         t0 = time.perf_counter()
-        named = merge_lora(self.layers, lora_state, self.dtype)
+        if self.layers is None:
+            named = full_named(self.param_names, state, self.dtype)
+        else:
+            named = merge_lora(self.layers, state, self.dtype)
         self._with_restart(lambda: self._push(named), f"update_weights(version={version})")
         self._pushed = named
         if self.verify_weights:
@@ -202,7 +228,7 @@ class SGLangRolloutEngine:
         weight_sync.push_weights(self._post, named, self.bucket_bytes)
 
     def _verify(self, named: NamedTensors, what: str) -> None:
-        weight_sync.verify_pushed(self._post, named, self.base_state, self.dtype, what)
+        weight_sync.verify_pushed(self._post, named, self.base_state, self.dtype, what, self.module_check)
 
     def server_checksum(self, module: str = "transformer") -> str:
         return weight_sync.server_checksum(self._post, module)

@@ -1,7 +1,9 @@
-"""Weight push to the server: the trainer's LoRA as merged weights of the touched layers.
+"""Weight push to the server: the trainer's LoRA as merged weights of the touched layers, or a full
+fine-tune's every transformer parameter.
 
 ``merge_lora`` gives ``W0 + scale * B @ A`` per LoRA layer (``W0``: the base weight the engine was
-started with), sent through ``POST /update_weights_from_tensor``: by value (pickled CPU tensors,
+started with); ``full_named`` casts a full fine-tune's parameters to the served precision. Either is sent
+through ``POST /update_weights_from_tensor``: by value (pickled CPU tensors,
 base64) on CPU and across hosts, CUDA IPC handles in per-dtype flattened buckets when the trainer
 is on a GPU (colocated). The server skips unknown names with only a warning, so ``verify_pushed``
 checks each pushed tensor's SHA-256 on the server (``/update_weights_from_tensor_checker``) and,
@@ -137,6 +139,27 @@ def base_transformer_state(peft_model: torch.nn.Module) -> dict[str, torch.Tenso
     return state
 
 
+# -- full fine-tuning -----------------------------------------------------------------------------
+
+
+def full_base_state(module: torch.nn.Module, keep_params: bool) -> dict[str, torch.Tensor]:
+    """What a full fine-tune's module checksum rests on besides the pushed parameters: the transformer's
+    buffers (CPU copies) and, with ``keep_params``, its parameters as served at start (to check the served
+    base weights before any push; the live ones change with every update)."""
+    params = {n for n, _ in module.named_parameters()}
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if keep_params or k not in params}
+
+
+@torch.no_grad()
+def full_named(names: list[str], state: dict[str, torch.Tensor], dtype: torch.dtype) -> NamedTensors:
+    """A full fine-tune's push: every transformer parameter (``names``, diffusers' names, which SGLang's
+    modules share) from ``state``, cast to the served ``dtype``."""
+    missing, unknown = set(names) - set(state), set(state) - set(names)
+    if missing or unknown:
+        raise KeyError(f"update_weights: the full state has {len(missing)} missing and {len(unknown)} unknown "
+                       f"transformer parameters, e.g. {sorted(missing)[:2] + sorted(unknown)[:2]}")
+    return [(name, state[name].detach().to(dtype).contiguous()) for name in names]
+
 
 # -- push and verify ------------------------------------------------------------------------------
 
@@ -182,6 +205,12 @@ def push_ipc(post: Post, named: NamedTensors, bucket_bytes: int) -> None:  # pra
         del bucket, flat, payload
 
 
+def module_checksum_fits(module: torch.nn.Module) -> bool:
+    """Whether verification hashes the whole served module on each push (up to
+    ``MODULE_CHECKSUM_MAX_NUMEL`` elements) rather than only the pushed tensors."""
+    return sum(t.numel() for t in module.state_dict().values()) <= MODULE_CHECKSUM_MAX_NUMEL
+
+
 def check_update(r) -> None:
     body = json_or_text(r)
     if r.status_code != 200 or not (isinstance(body, dict) and body.get("success")):
@@ -205,16 +234,17 @@ def expected_checksum(base_state: dict[str, torch.Tensor], dtype: torch.dtype, n
 
 
 def verify_pushed(post: Post, named: NamedTensors, base_state: dict[str, torch.Tensor], dtype: torch.dtype,
-                  what: str) -> None:
+                  what: str, module_check: bool = True) -> None:
     """Each pushed tensor's SHA-256 on the server must equal ours (the server skips unknown
-    names with a warning only); small models also check the whole-module checksum."""
+    names with a warning only); with ``module_check`` (small models: ``module_checksum_fits``) also the
+    whole-module checksum."""
     expected = {n: tensor_sha256(t) for n, t in named}
     r = post("/update_weights_from_tensor_checker",
              json={"target_module": "transformer", "expected_named_tensors_sha256": expected})
     body = json_or_text(r)
     if r.status_code != 200 or not (isinstance(body, dict) and body.get("success")):
         raise SGLangServerError(f"weight verification of {what} failed: the server's tensors differ from ours: {body}")
-    if sum(t.numel() for t in base_state.values()) <= MODULE_CHECKSUM_MAX_NUMEL:
+    if module_check:
         server, ours = server_checksum(post), expected_checksum(base_state, dtype, named)
         if server != ours:
             raise SGLangServerError(
