@@ -60,8 +60,10 @@ demo: setup
 	@echo "registry:     $(BIN)/python -m diffusionrl.serving show"
 	@$(BIN)/python -m diffusionrl.serving show
 
+# The two environments install side by side (pip unpacks on one core), then the tests run.
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
-test: setup $(SGLANG_ENV)
+test:
+	@$(MAKE) --no-print-directory -j2 setup $(SGLANG_ENV)
 	$(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
