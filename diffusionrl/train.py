@@ -57,7 +57,7 @@ FREE_KEYS = RUN_CONTROL_KEYS + (
     "train.steps", "train.checkpoint_every", "train.keep_checkpoints", "train.log_images_every",
     "train.save_latents", "train.world_size", "train.placement", "train.rollout_engines", "train.cpus_per_bundle",
     "train.engine_gpu_fraction", "train.memory_handoff", "train.offload_optimizer", "train.deterministic",
-    "train.max_idle_steps", "train.max_skipped_fraction",
+    "train.max_idle_steps", "train.max_skipped_fraction", "train.checkpoint_format",
     "sampling.sglang_*", "reward.num_actors", "reward.ocr_threads", "model.device", "model.gradient_checkpointing",
 )
 

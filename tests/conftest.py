@@ -66,11 +66,11 @@ def scored(loop):
     return traj, active
 
 
-def saved_lora(run_dir):
-    """The final LoRA tensors a run wrote (peft format)."""
+def saved_lora(run_dir, folder: str = "lora"):
+    """The final LoRA tensors a run wrote (peft format; ``folder="lora_ema"``: their EMA)."""
     from safetensors.torch import load_file
 
-    return load_file(str(run_dir / "lora" / "adapter_model.safetensors"))
+    return load_file(str(run_dir / folder / "adapter_model.safetensors"))
 
 
 def run_interrupted_and_uninterrupted(cfg, tmp_path):

@@ -243,21 +243,31 @@ def test_every_objective_on_two_ranks_resumes_bitwise_and_steps_as_one_process(r
 
 
 def test_two_rank_nft_run_resumes_bitwise_and_its_first_step_is_one_process(ray_cluster, tmp_path):
-    """DiffusionNFT end to end on 2 ranks (local engine on rank 0): a run stopped after step 1 and resumed
-    equals the uninterrupted run bit for bit (LoRA, old policy, metrics), and its first step equals one
-    process's (the tiny rewards are discontinuous: later steps may drift apart, each run repeatable)."""
+    """DiffusionNFT end to end on 2 ranks (local engine on rank 0, EMA on) with sharded checkpoints (each rank
+    writes its shards through torch.distributed.checkpoint): a run stopped after step 1 and resumed equals the
+    uninterrupted run bit for bit (LoRA, AdamW, EMA, old policy, metrics); its first step equals one process's
+    (the tiny rewards are discontinuous: later steps may drift apart, each run repeatable); and one process
+    resumes its step-1 checkpoint (DCP reshards it to one) and takes the second step as the 2 ranks did."""
+    import shutil
+
+    from diffusionrl.distributed.sharded import read_tensors
     from diffusionrl.run.checkpoint import list_checkpoints, load_checkpoint
     from diffusionrl.train import build_loop
 
-    quick = ["eval.every=0"]
+    quick = ["eval.every=0", "train.ema=true", "train.checkpoint_format=sharded"]
     cfg = tiny_config(*DIST, *quick, preset="tiny-cpu-nft")
     full, resumed, result = run_interrupted_and_uninterrupted(cfg, tmp_path)
     assert result.steps_done == 2 and full.backend.worker.info() == {"world_size": 2}
-    a, b = saved_lora(tmp_path / "full"), saved_lora(tmp_path / "part")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ends = [load_checkpoint(list_checkpoints(tmp_path / run / "checkpoints")[-1], restore_rng=False)
-            for run in ("full", "part")]
-    assert all(torch.equal(ends[0].tensors["old"][k], ends[1].tensors["old"][k]) for k in ends[0].tensors["old"])
+    for folder in ("lora", "lora_ema"):
+        a, b = saved_lora(tmp_path / "full", folder), saved_lora(tmp_path / "part", folder)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
+    ckpts = {run: list_checkpoints(tmp_path / run / "checkpoints") for run in ("full", "part")}
+    assert load_checkpoint(ckpts["part"][-1], restore_rng=False).sharded["world_size"] == 2
+    assert sorted(p.name for p in (ckpts["part"][-1] / "sharded").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                                  "__1_0.distcp"]
+    ends = [read_tensors(ckpts[run][-1] / "sharded") for run in ("full", "part")]
+    assert {k.split(".")[0] for k in ends[0]} == {"model", "optim", "ema", "old"}
+    assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     assert [m["train/loss"] for m in full.history] == [m["train/loss"] for m in resumed.history]
     assert result.metrics[-1]["train/old_policy_eta"] > 0
 
@@ -266,14 +276,23 @@ def test_two_rank_nft_run_resumes_bitwise_and_its_first_step_is_one_process(ray_
         first = one.run(resume=None).metrics[0]
     finally:
         one.close()
-    two = load_checkpoint(list_checkpoints(tmp_path / "part" / "checkpoints")[0], restore_rng=False)
-    assert two.step == 1
-    mine = load_checkpoint(list_checkpoints(tmp_path / "one" / "checkpoints")[-1], restore_rng=False)
-    for group, tensors in (("lora", mine.lora), ("old", mine.tensors["old"])):
-        theirs = two.lora if group == "lora" else two.tensors["old"]
-        for k, t in tensors.items():
-            assert torch.allclose(theirs[k], t, rtol=1e-5, atol=1e-6), (group, k)
+    two = read_tensors(ckpts["part"][0] / "sharded")
+    mine = read_tensors(list_checkpoints(tmp_path / "one" / "checkpoints")[-1] / "sharded")
+    assert load_checkpoint(ckpts["part"][0], restore_rng=False).step == 1 and two.keys() == mine.keys()
+    for k, t in mine.items():
+        assert torch.allclose(two[k], t, rtol=1e-5, atol=1e-6), k
     assert first["train/loss"] == pytest.approx(full.history[0]["train/loss"], rel=1e-5)
+
+    shutil.copytree(ckpts["part"][0], tmp_path / "cross" / "checkpoints" / ckpts["part"][0].name)
+    cross = build_loop(tiny_config(*quick, preset="tiny-cpu-nft"), tmp_path / "cross", progress=False)
+    try:
+        assert cross.run(resume="auto").steps_done == 2
+    finally:
+        cross.close()
+    assert cross.history[-1]["rollout/reward/raw_mean"] == full.history[-1]["rollout/reward/raw_mean"]
+    a, b = saved_lora(tmp_path / "full"), saved_lora(tmp_path / "cross")
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), k
 
 
 @ray.remote(num_cpus=1)

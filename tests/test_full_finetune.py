@@ -86,9 +86,9 @@ def test_the_gradient_does_not_depend_on_the_micro_batch_split(tmp_path):
     assert worst <= 1e-5
 
 
-@pytest.mark.parametrize("preset", ["tiny-cpu", "tiny-cpu-nft"])
-def test_a_resumed_full_run_equals_the_uninterrupted_one(tmp_path, preset):
-    cfg = tiny_config(*FULL, "train.ema=true", preset=preset)
+@pytest.mark.parametrize("preset,checkpoint_format", [("tiny-cpu", "gathered"), ("tiny-cpu-nft", "sharded")])
+def test_a_resumed_full_run_equals_the_uninterrupted_one(tmp_path, preset, checkpoint_format):
+    cfg = tiny_config(*FULL, "train.ema=true", f"train.checkpoint_format={checkpoint_format}", preset=preset)
     full, resumed, result = run_interrupted_and_uninterrupted(cfg, tmp_path)
     assert result.steps_done == 2 and (tmp_path / "part" / "model_ema" / "transformer").is_dir()
     for folder in ("model", "model_ema"):

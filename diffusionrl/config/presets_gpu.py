@@ -84,10 +84,12 @@ SD35M_PICKSCORE_NFT: dict[str, Any] = {
 # Over sd35m-pickscore-nft: the same recipe with every transformer weight trained (model.finetune=full): fp32
 # master weights computed in bf16 (FSDP2's param_dtype), fp32 gradients and AdamW state sharded over the 8
 # ranks and offloaded to the host while the engines sample; the KL reference is a frozen fp32 copy of the
-# base transformer, sharded like it; a full fine-tune's learning rate. Never run (no GPU has run this code).
+# base transformer, sharded like it; a full fine-tune's learning rate; each rank writes its own shards of a
+# checkpoint (no process gathers the 2.5 B weights with their AdamW, EMA and old-policy copies). Never run (no
+# GPU has run this code).
 SD35M_PICKSCORE_NFT_FULL: dict[str, Any] = {
     "model": {"finetune": "full", "dtype": "float32"},
-    "train": {"mixed_precision": "bf16", "learning_rate": 1e-5},
+    "train": {"mixed_precision": "bf16", "learning_rate": 1e-5, "checkpoint_format": "sharded"},
     "tracking": {"registered_model": "sd35m-pickscore-full"},
 }
 

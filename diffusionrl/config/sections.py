@@ -146,6 +146,9 @@ class TrainConfig:
     seed: int = option(0, "Seed of prompts, sample seeds and the LoRA init")
     checkpoint_every: int = option(5, "Save a resumable checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = option(2, "How many recent checkpoints to keep")
+    checkpoint_format: Literal["gathered", "sharded"] = option(
+        "gathered", "gathered: the full trained tensors and optimizer states written by the driver | sharded: "
+        "each rank writes its own shards (torch.distributed.checkpoint); both resume on any world size")
     log_images_every: int = option(10, "Keep sample images every N steps (0 disables)")
     save_latents: bool = option(True, "Store latents and conditioning in the trajectory Parquet (rebuildable "
                                 "Trajectory)")

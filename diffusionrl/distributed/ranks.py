@@ -108,17 +108,32 @@ class RankGroup:
 
     # -- checkpoint state --------------------------------------------------------------------------
     def checkpoint_parts(self) -> dict[str, Any]:
+        """The gathered format (full tensors, written by the driver), or with ``train.checkpoint_format=sharded``
+        a writer that has every rank write its shards (``distributed.sharded``)."""
+        scaler = self._all("scaler_state")[0]
+        if self.cfg.train.checkpoint_format == "sharded":
+            from .sharded import write_from_ranks
+
+            def write(folder: Path) -> dict[str, Any]:
+                return write_from_ranks(self._all, folder, len(self.ranks))
+
+            return {"lora": {}, "optimizer": {}, "scaler": scaler, "tensors": {}, "write_shards": write}
         ema = self._all("ema_state")[0]
         tensors = {"ema": ema} if ema is not None else {}
         tensors.update(self._all("objective_state")[0])
         return {"lora": self._all("lora_state")[0], "optimizer": self._all("optimizer_state")[0],
-                "scaler": self._all("scaler_state")[0], "tensors": tensors}
+                "scaler": scaler, "tensors": tensors}
 
     def load_checkpoint_parts(self, state: CheckpointState) -> None:
-        """Also from a single-process checkpoint: the formats are the same."""
+        """Either format, whatever world size wrote it (a gathered checkpoint is one process's format; a
+        sharded one is resharded by DCP)."""
+        self._all("load_scaler_state", state.scaler)
+        if state.sharded is not None:
+            from .sharded import load_on_ranks
+
+            return load_on_ranks(self._all, state.sharded)
         self._all("load_lora_state", state.lora)
         self._all("load_optimizer_state", state.optimizer)
-        self._all("load_scaler_state", state.scaler)
         if "ema" in state.tensors:
             self._all("load_ema_state", state.tensors["ema"])
         self._all("load_objective_state", {k: v for k, v in state.tensors.items() if k != "ema"})

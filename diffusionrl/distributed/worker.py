@@ -305,6 +305,29 @@ class TrainerRank:
         if loader:
             loader({group: shard_like(self.policy.params, tensors) for group, tensors in groups.items()})
 
+    def save_sharded(self, folder: str, marker: dict[str, int]) -> tuple[dict, dict[str, bytes]]:
+        """This rank's shards of a sharded checkpoint (``distributed.sharded``): into the driver's ``folder`` where
+        this rank sees it (``marker``), else returned as files (a collective: every rank)."""
+        from . import sharded
+
+        target = folder if sharded.sees(folder, marker) else None
+        return sharded.save(self.policy, self.trainer, self.objective, target)
+
+    def sees_sharded(self, folder: str, listing: dict[str, int]) -> bool:
+        from . import sharded
+
+        return sharded.sees(folder, listing)
+
+    def load_sharded(self, folder: str, listing: dict[str, int], plain: dict, files: list | None) -> None:
+        """Load a sharded checkpoint, resharded to this world size: from ``folder`` where this rank sees it, else
+        from the driver's copy of its files (``[ObjectRef]``) (a collective: every rank)."""
+        import ray
+
+        from . import sharded
+
+        data = None if files is None or sharded.sees(folder, listing) else ray.get(files[0])
+        sharded.load(self.policy, self.trainer, self.objective, folder, plain, data)
+
     def peft_state(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The adapter in peft's saved format (of ``state`` if given), full tensors on CPU."""
         from peft import get_peft_model_state_dict

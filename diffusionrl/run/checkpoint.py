@@ -7,6 +7,9 @@ Layout of a checkpoint folder ``step-000012/``::
     lora.safetensors       trainable LoRA tensors (policy ``named_parameters`` names)
     optimizer.safetensors  per-parameter optimizer state ("<index>.<key>")
     extra.safetensors      EMA / old-policy tensors ("ema.<name>", "old.<name>") and torch RNG states
+    sharded/               train.checkpoint_format=sharded: each rank's shards of the LoRA (or full weights),
+                           optimizer, EMA and old-policy tensors (``distributed.sharded``, DCP) in place of
+                           those tensors in the files above; state.json's "sharded" says so
     manifest.json          size and SHA-256 of every other file, written last (``diffusionrl.run.manifest``)
 
 A folder is written under a temporary name and renamed when complete, so a crash mid-save never
@@ -25,6 +28,7 @@ import logging
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,7 @@ FORMAT_VERSION = 2  # state.json's format_version: the format save_checkpoint wr
 STATE_KEYS = ("step", "policy_version", "metadata", "config", "inputs", "optimizer", "scaler", "rng", "tensor_groups",
               "extra")  # what save_checkpoint writes into state.json besides format_version
 NAME = re.compile(r"step-\d+")
+SHARDED = "sharded"  # a sharded checkpoint's DCP folder
 
 
 class CheckpointMismatch(UserError):
@@ -71,6 +76,11 @@ class CheckpointState:
     config: dict[str, Any] = field(default_factory=dict)  # the run's config (``Config.to_dict()``)
     # digests of the data behind the config's paths (``{"prompts": ..., "init_lora": ...}``)
     inputs: dict[str, str] = field(default_factory=dict)
+    # train.checkpoint_format=sharded (``lora`` and ``optimizer`` then empty): on save, a function writing the
+    # shards into the folder it is given and returning what state.json records of them; on load, that record
+    # with the shards' ``folder``
+    write_shards: Callable[[Path], dict[str, Any]] | None = None
+    sharded: dict[str, Any] | None = None
 
 
 def _optimizer_split(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -129,8 +139,12 @@ def save_checkpoint(directory: str | Path, state: CheckpointState) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    sharded = None
+    if state.write_shards is not None:
+        (tmp / SHARDED).mkdir()
+        sharded = state.write_shards(tmp / SHARDED)
     save_file({k: v.detach().cpu().contiguous() for k, v in state.lora.items()}, str(tmp / "lora.safetensors"))
-    opt_tensors, opt_meta = _optimizer_split(state.optimizer)
+    opt_tensors, opt_meta = _optimizer_split(state.optimizer) if state.optimizer else ({}, {})
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     rng_tensors, rng_meta = _rng_state()
     extra = {f"rng.{k}": v for k, v in rng_tensors.items()}
@@ -150,6 +164,8 @@ def save_checkpoint(directory: str | Path, state: CheckpointState) -> Path:
         "tensor_groups": sorted(state.tensors),
         "extra": state.extra,
     }
+    if sharded is not None:
+        record["sharded"] = sharded
     (tmp / "state.json").write_text(json.dumps(record, indent=1, sort_keys=True))
     write_manifest(tmp)  # last: a folder with a valid manifest is complete
     if directory.exists():
@@ -191,7 +207,11 @@ def load_checkpoint(directory: str | Path, restore_rng: bool = True, verify: boo
         group, name = key.split(".", 1)
         (rng if group == "rng" else groups.setdefault(group, {}))[name] = value
     lora = _load(directory, "lora.safetensors")
-    optimizer = _optimizer_join(_load(directory, "optimizer.safetensors"), record["optimizer"])
+    sharded, optimizer = record.get("sharded"), {}
+    if sharded is not None:  # the tensors are in sharded/ (read by the worker that loads them)
+        sharded = {**sharded, "folder": str(directory / SHARDED)}
+    else:
+        optimizer = _optimizer_join(_load(directory, "optimizer.safetensors"), record["optimizer"])
     if restore_rng:
         _set_rng_state(rng, record["rng"])
     return CheckpointState(
@@ -205,6 +225,7 @@ def load_checkpoint(directory: str | Path, restore_rng: bool = True, verify: boo
         extra=record["extra"],
         config=record["config"],
         inputs=record["inputs"],
+        sharded=sharded,
     )
 
 

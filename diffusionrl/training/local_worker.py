@@ -70,23 +70,40 @@ class LocalPolicyWorker:
 
     # -- checkpoint state ------------------------------------------------------------------------
     def checkpoint_parts(self) -> dict[str, Any]:
-        """LoRA, optimizer, scaler and extra tensor groups (EMA, the objective's own)."""
+        """LoRA, optimizer, scaler and extra tensor groups (EMA, the objective's own); with
+        ``train.checkpoint_format=sharded`` the tensors go into DCP's files instead (``distributed.sharded``)."""
         trainer = self.trainer
+        scaler = trainer.scaler.state_dict() if trainer.scaler.is_enabled() else {}
+        if self.cfg.train.checkpoint_format == "sharded":
+            from diffusionrl.distributed import sharded
+
+            def write(folder):
+                plain, _ = sharded.save(self.policy, trainer, self.objective, str(folder), no_dist=True)
+                return {"optimizer": plain, "world_size": 1}
+
+            return {"lora": {}, "optimizer": {}, "scaler": scaler, "tensors": {}, "write_shards": write}
         tensors = {}
         if trainer.ema is not None:
             tensors["ema"] = trainer.ema.state()
         extra_state = getattr(self.objective, "state_tensors", None)
         if extra_state:
             tensors.update(extra_state())
-        return {"lora": self.policy.lora_state(), "optimizer": trainer.optimizer.state_dict(),
-                "scaler": trainer.scaler.state_dict() if trainer.scaler.is_enabled() else {}, "tensors": tensors}
+        return {"lora": self.policy.lora_state(), "optimizer": trainer.optimizer.state_dict(), "scaler": scaler,
+                "tensors": tensors}
 
     def load_checkpoint_parts(self, state: CheckpointState) -> None:
+        """Either format, whatever world size wrote it."""
         trainer = self.trainer
-        self.policy.load_lora_state(state.lora)
-        trainer.optimizer.load_state_dict(state.optimizer)
         if state.scaler and trainer.scaler.is_enabled():
             trainer.scaler.load_state_dict(state.scaler)
+        if state.sharded is not None:
+            from diffusionrl.distributed import sharded
+
+            sharded.load(self.policy, trainer, self.objective, state.sharded["folder"], state.sharded["optimizer"],
+                         no_dist=True)
+            return
+        self.policy.load_lora_state(state.lora)
+        trainer.optimizer.load_state_dict(state.optimizer)
         if trainer.ema is not None and "ema" in state.tensors:
             device = self.adapter.device
             trainer.ema.shadow = {k: v.to(device).clone() for k, v in state.tensors["ema"].items()}
