@@ -1,8 +1,9 @@
 """The SGLang rollout engine against a real SGLang diffusion server (CPU, fp32, tiny SD3 and tiny FLUX).
 
 The server runs from the repo's ``.venv-sglang`` (``make sglang-env``, which ``make test`` runs
-first); these tests skip only when that environment is absent. One server is shared by the
-module; the two training runs launch their own (the engine owns its server).
+first); these tests skip only when that environment is absent. The module starts one server per
+family it serves (``SERVERS``, side by side) and shares them; the training run launches its own (the
+engine owns its server).
 """
 
 from __future__ import annotations
@@ -56,23 +57,64 @@ def batch(k: int = 2, seed0: int = 100):
     return prompts, groups, seeds
 
 
+# The servers this module starts, side by side (a start is mostly its two interpreters' imports, one core each):
+# name -> (preset, overrides). FLUX.2 [klein] is served at SGLang's fixed text length.
+SERVERS = {"sd3": ("tiny-cpu-sglang", SLOW_START), "flux": ("tiny-cpu-flux", SLOW_START),
+           "flux2": ("tiny-cpu-flux2", SLOW_START),
+           "flux2-klein": ("tiny-cpu-flux2-klein", SLOW_START, "model.max_sequence_length=512")}
+
+
 @pytest.fixture(scope="module")
-def stack():
-    """(cfg, adapter, policy, engine): a tiny LoRA policy and an SGLang engine serving it."""
+def servers(tmp_path_factory):
+    """name -> (cfg, adapter, policy, engine) for each of ``SERVERS``, served by SGLang's native pipeline of its
+    family, weights verified on every push, the LoRA's initial state pushed. Policies and base-model folders are
+    built here one at a time (seeded builds), then the servers start side by side; the engines close after."""
     if not sglang_available():
         pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
+    from concurrent.futures import ThreadPoolExecutor
+
     from diffusionrl.models import load_adapter
+    from diffusionrl.models.families import save_builtin
     from diffusionrl.training.policy import LoraPolicy
 
-    cfg = tiny_config(SLOW_START, preset="tiny-cpu-sglang")
-    adapter = load_adapter(cfg.model)
-    policy = LoraPolicy(adapter, cfg.model, seed=0)
-    engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
+    built = {}
+    for name, (preset, *overrides) in SERVERS.items():
+        cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", *overrides, preset=preset)
+        adapter = load_adapter(cfg.model)
+        policy = LoraPolicy(adapter, cfg.model, seed=0)
+        folder = save_builtin(cfg.model.name, tmp_path_factory.mktemp(f"served-{name}") / "model")
+        built[name] = (cfg, adapter, policy, str(folder))
+
+    def start(name: str) -> SGLangRolloutEngine:
+        cfg, adapter, policy, folder = built[name]
+        engine = SGLangRolloutEngine.from_config(cfg, adapter, policy, model_path=folder)
+        try:
+            engine.update_weights(policy.lora_state(), 0)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    engines, failed = {}, None
+    with ThreadPoolExecutor(len(built)) as pool:
+        for name, future in [(name, pool.submit(start, name)) for name in built]:
+            try:
+                engines[name] = future.result()
+            except Exception as exc:  # the others still start, and are closed below
+                failed = failed or exc
     try:
-        engine.update_weights(policy.lora_state(), 0)
-        yield cfg, adapter, policy, engine
+        if failed is not None:
+            raise failed
+        yield {name: (*built[name][:3], engine) for name, engine in engines.items()}
     finally:
-        engine.close()
+        for engine in engines.values():
+            engine.close()
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    """(cfg, adapter, policy, engine): a tiny SD3 LoRA policy and an SGLang engine serving it."""
+    return servers["sd3"]
 
 
 def perturbed(state: dict[str, torch.Tensor], scale: float = 0.05, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -455,29 +497,10 @@ def pushed_perturbation(policy, engine):
         engine.update_weights(original, 0)
 
 
-def served_stack(preset: str, *overrides: str):
-    """(cfg, adapter, policy, engine) for ``preset`` served by SGLang's native pipeline of its family, weights
-    verified on every push, the LoRA's initial state pushed; the engine closed after."""
-    if not sglang_available():
-        pytest.skip("no SGLang environment (.venv-sglang): run `make sglang-env` (make test does)")
-    from diffusionrl.models import load_adapter
-    from diffusionrl.training.policy import LoraPolicy
-
-    cfg = tiny_config("sampling.engine=sglang", "sampling.sglang_verify_weights=true", *overrides, preset=preset)
-    adapter = load_adapter(cfg.model)
-    policy = LoraPolicy(adapter, cfg.model, seed=0)
-    engine = SGLangRolloutEngine.from_config(cfg, adapter, policy)
-    try:
-        engine.update_weights(policy.lora_state(), 0)
-        yield cfg, adapter, policy, engine
-    finally:
-        engine.close()
-
-
 @pytest.fixture(scope="module")
-def flux_stack():
+def flux_stack(servers):
     """tiny-cpu-flux served by SGLang's native FLUX.1 pipeline."""
-    yield from served_stack("tiny-cpu-flux")
+    return servers["flux"]
 
 
 @requires_sglang
@@ -502,14 +525,10 @@ def test_flux_is_served_with_a_pushed_lora_and_recomputed_exactly(flux_stack):
 
 
 # FLUX.2 presets served: [dev] at its preset's text length, [klein] base at the 512 tokens SGLang fixes
-FLUX2_SERVED = {"flux2": ("tiny-cpu-flux2", SLOW_START),
-                "flux2-klein": ("tiny-cpu-flux2-klein", SLOW_START, "model.max_sequence_length=512")}
-
-
-@pytest.fixture(scope="module", params=list(FLUX2_SERVED))
-def flux2_stack(request):
-    """A FLUX.2 preset served by SGLang's native FLUX.2 pipeline."""
-    yield from served_stack(*FLUX2_SERVED[request.param])
+@pytest.fixture(scope="module", params=["flux2", "flux2-klein"])
+def flux2_stack(request, servers):
+    """A FLUX.2 preset served by SGLang's native FLUX.2 pipeline ([dev], and [klein] at SGLang's fixed text length)."""
+    return servers[request.param]
 
 
 @requires_sglang

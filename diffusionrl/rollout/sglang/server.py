@@ -2,7 +2,9 @@
 
 The server runs from its own interpreter, normally the repo's ``.venv-sglang`` (sglang pins
 torch/transformers/diffusers versions that differ from ours), in its own process group (stopped
-as a group), and without a GPU at the lowest CPU priority.
+as a group), and without a GPU at the lowest CPU priority. Its scheduler waits for requests
+(``--sleep-on-idle``) instead of polling, which keeps a whole core busy while it is idle (a poll
+returns as soon as a request arrives).
 
 Everything it serves listens on 127.0.0.1 only: HTTP (``--host``) and its scheduler socket (which
 SGLang derives from ``--host``), gloo and NCCL (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME=lo``:
@@ -277,7 +279,7 @@ class SGLangServer:
             "serve", "--model-path", self.model_path, "--model-id", model_id,
             "--host", LOOPBACK, "--port", str(self.port), "--master-port", str(self.master_port), "--num-gpus", "1",
             "--dit-precision", p, "--vae-precision", p, "--text-encoder-precisions", *[p] * encoders,
-            *extra, "--warmup-mode", "off",
+            *extra, "--warmup-mode", "off", "--sleep-on-idle",
         ]
 
     def environment(self) -> dict[str, str]:
