@@ -68,39 +68,45 @@ MID = {  # mid-size members of two families: wider and deeper than the tiny ones
 }
 
 
-@pytest.mark.parametrize("family", sorted(MID))
-def test_mid_size_model_at_unseen_token_counts(family):
+ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]  # a LoRA's targets; None: a full fine-tune
+
+
+@pytest.mark.parametrize("family,targets", [(f, t) for f in sorted(MID) for t in (ATTN, None)],
+                         ids=lambda v: "full" if v is None else ("lora" if isinstance(v, list) else v))
+def test_mid_size_model_at_unseen_token_counts(family, targets):
     """A whole mid-size model at 4x the probe's largest image and text token counts and another batch:
-    the fits (two blocks of each kind, small tokens) predict its saved bytes within 5%."""
+    the fits (two blocks of each kind, small tokens) predict its saved bytes within 5%, with a LoRA and with
+    every weight trained (a full fine-tune saves every linear layer's input as well)."""
     config = MID[family]
-    targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
     entry = M.measure_saved(family, config, "float32", "no", 8, targets)
     torch.manual_seed(0)
-    model = M.lora_wrap(M.FAMILIES[family].build(config), family, 8, targets)
+    model = M.trained_model(M.FAMILIES[family].build(config), family, 8, targets)
     adapter = M.stub_adapter(family, model, "no")
     batch, side, text = 3, 32, 96
     x, t, cond = M.forward_inputs(family, config, batch, side, text)
-    got = M.saved_by_block(model, M.blocks_of(model.get_base_model(), M.FAMILIES[family]),
+    base = model if targets is None else model.get_base_model()
+    got = M.saved_by_block(model, M.blocks_of(base, M.FAMILIES[family]),
                            lambda: adapter.velocity(model, x, t, cond, 1.0))
     n_img = (side // 2) ** 2
     assert M.predict_saved(entry, config, batch, n_img, text)["total"] == pytest.approx(got["total"], rel=0.05)
 
 
-@pytest.mark.parametrize("family", sorted(MID))
-def test_live_memory_of_mid_size_models_with_and_without_checkpointing(family):
+@pytest.mark.parametrize("family,targets", [(f, t) for f in sorted(MID) for t in (ATTN, None)],
+                         ids=lambda v: "full" if v is None else ("lora" if isinstance(v, list) else v))
+def test_live_memory_of_mid_size_models_with_and_without_checkpointing(family, targets):
     """What a whole mid-size model holds after its training forward (live storages, ``LivePeak``)
     is the plan's activations within 10%, with gradient checkpointing (each block's inputs) and
-    without; the forward + backward peak is at most the plan's activations + backward working set
-    + LoRA gradients, which overstate it by less than 1.8x (the working set is assumed, not fitted)."""
+    without, with a LoRA and with every weight trained; the forward + backward peak is at most the plan's
+    activations + backward working set + gradients, which overstate it by less than 1.8x (the working set
+    is assumed, not fitted)."""
     config = MID[family]
-    targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
     entry = M.measure_saved(family, config, "float32", "no", 8, targets)
     batch, side, text = 3, 32, 96
     for ckpt in (False, True):
         torch.manual_seed(0)
-        model = M.lora_wrap(M.FAMILIES[family].build(config), family, 8, targets)
+        model = M.trained_model(M.FAMILIES[family].build(config), family, 8, targets)
         if ckpt:
-            model.get_base_model().enable_gradient_checkpointing()
+            (model if targets is None else model.get_base_model()).enable_gradient_checkpointing()
             model.train()  # diffusers checkpoints only in training mode
         adapter = M.stub_adapter(family, model, "no")
         x, t, cond = M.forward_inputs(family, config, batch, side, text)

@@ -259,16 +259,26 @@ def blocks_of(transformer: torch.nn.Module, spec: FamilySpec) -> list[torch.nn.M
     return [b for name in spec.blocks for b in getattr(transformer, name)]
 
 
-def measure_saved(family: str, config: dict, weights_dtype: str, amp: str, lora_rank: int, lora_targets: list[str],
-                  points=POINTS, batches=BATCHES) -> dict:
+def trained_model(transformer: torch.nn.Module, family: str, rank: int, targets: list[str] | None, seed: int = 0):
+    """What trains: ``lora_wrap``'s LoRA on ``targets``, or with ``targets=None`` every weight of the transformer
+    (a full fine-tune, ``training.full.FullPolicy``)."""
+    if targets is None:
+        return transformer.requires_grad_(True).eval()
+    return lora_wrap(transformer, family, rank, targets, seed)
+
+
+def measure_saved(family: str, config: dict, weights_dtype: str, amp: str, lora_rank: int,
+                  lora_targets: list[str] | None, points=POINTS, batches=BATCHES) -> dict:
     """Fit the bytes one forward saves, per block kind, shared between blocks, and outside them, as
     ``batch * (c0 + ci * image_tokens + ct * text_tokens) + (d0 + di * image_tokens + dt * text_tokens)``
-    (coefficients ``[c0, ci, ct, d0, di, dt]``): the probe's forwards at ``batches`` x ``points``."""
+    (coefficients ``[c0, ci, ct, d0, di, dt]``): the probe's forwards at ``batches`` x ``points``, with a LoRA on
+    ``lora_targets`` or, with ``lora_targets=None``, every weight trained (a full fine-tune also saves the
+    input of every other linear layer for its weight gradient)."""
     spec = FAMILIES[family]
     pcfg = probe_config(family, config)
     torch.manual_seed(0)
     transformer = spec.build(pcfg, "cpu", DTYPES[weights_dtype])
-    model = lora_wrap(transformer, family, lora_rank, lora_targets)
+    model = trained_model(transformer, family, lora_rank, lora_targets)
     adapter = stub_adapter(family, model, amp)
     kinds = [k for ks in block_kinds(family, pcfg) for k in ks]
     blocks = blocks_of(transformer, spec)
@@ -285,8 +295,10 @@ def measure_saved(family: str, config: dict, weights_dtype: str, amp: str, lora_
     a = np.array(rows, dtype=float)
     coef = {name: [float(c) for c in np.linalg.lstsq(a, np.array(v, dtype=float), rcond=None)[0]]
             for name, v in ys.items()}
-    return {"family": family, "weights_dtype": weights_dtype, "amp": amp, "lora_rank": lora_rank,
-            "lora_targets": list(lora_targets), "probe_layers": list(spec.layers(pcfg)), "coef": coef}
+    full = lora_targets is None
+    return {"family": family, "weights_dtype": weights_dtype, "amp": amp, "finetune": "full" if full else "lora",
+            "lora_rank": 0 if full else lora_rank, "lora_targets": [] if full else list(lora_targets),
+            "probe_layers": list(spec.layers(pcfg)), "coef": coef}
 
 
 def _components(got: dict, kinds: list[str]) -> dict[str, float]:
@@ -332,8 +344,8 @@ def predict_saved(entry: dict, config: dict, batch: int, n_img: int, n_txt: int,
 
 
 # -- the cache -----------------------------------------------------------------------------------
-def cache_key(reference: str, weights_dtype: str, amp: str) -> str:
-    return f"{reference}|{weights_dtype}|{amp}"
+def cache_key(reference: str, weights_dtype: str, amp: str, finetune: str = "lora") -> str:
+    return f"{reference}|{weights_dtype}|{amp}" + ("|full" if finetune == "full" else "")
 
 
 def load_cache(path: Path = CACHE) -> dict:

@@ -92,14 +92,20 @@ def forward_batches(cfg_mode: str, micro_batch: int, cfg_pass: bool) -> list[int
 def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict, str]:
     """The measured fit of ``cfg``'s model and precision (cached; measured now for a builtin)."""
     m = cfg.model
-    targets = lora_suffixes(family, m.lora_targets)
-    key = cache_key(m.name, m.dtype, cfg.train.mixed_precision)
+    full = m.finetune == "full"
+    targets = None if full else lora_suffixes(family, m.lora_targets)
+    key = cache_key(m.name, m.dtype, cfg.train.mixed_precision, m.finetune)
     if key in cache["saved"]:
         entry, note = cache["saved"][key], ""
     elif m.name.startswith("builtin:"):
         entry, note = measure_saved(family, config, m.dtype, cfg.train.mixed_precision, m.lora_rank, targets), ""
     else:
-        same = [k for k in cache["saved"] if k.startswith(m.name + "|")]
+        same = [k for k in cache["saved"] if k.startswith(m.name + "|") and k.endswith("|full") == full]
+        if not same and full and any(k.startswith(m.name + "|") for k in cache["saved"]):
+            from diffusionrl.config import ConfigError
+
+            raise ConfigError(f"no full fine-tuning activation measurement of {m.name}: run python -m "
+                              "diffusionrl.plan.refresh with a preset that sets model.finetune=full for it")
         if not same:
             from diffusionrl.config import ConfigError
 
@@ -108,7 +114,7 @@ def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict,
         note = f"activations scaled from the {same[0].split('|', 1)[1]} measurement by element size"
         ratio = BYTES[m.dtype] / BYTES[entry["weights_dtype"]]
         entry = dict(entry, coef={k: [c * ratio for c in v] for k, v in entry["coef"].items()})
-    if (entry["lora_rank"], entry["lora_targets"]) != (m.lora_rank, targets):
+    if not full and (entry["lora_rank"], entry["lora_targets"]) != (m.lora_rank, targets):
         note = (note + "; " if note else "") + (
             f"activations measured with LoRA rank {entry['lora_rank']} on {len(entry['lora_targets'])} target "
             "suffixes, not this config's (each adapted layer saves rank x tokens more or less)")
@@ -222,6 +228,8 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
 
     # -- time
     f = flops(m.name, facts, side, n_txt, frames, cache)
+    if full:  # every weight's gradient besides the inputs': twice the forward (the LoRA's is counted)
+        f = dict(f, backward=2 * f["forward"])
     per_sample = f["forward"] * (2 if cfg_pass else 1)
     batch = tc.prompts_per_step * tc.group_size
     units = batch // (W * mb) * units_per_micro_batch(cfg) * tc.inner_epochs
@@ -237,9 +245,8 @@ def plan(cfg, gpu: str = "H200", gpu_memory: float | None = None, mfu: float = M
                      "window at the end of window_range, its longest)")
     notes.append(f"{n_img} image + {n_txt} text tokens per forward; {len(batches)} forward(s) of {batches} per unit")
     if full:
-        notes.append("model.finetune=full: the activations and the backward's FLOPs are the LoRA targets' "
-                     "measurement; every other linear layer's saved input and weight gradient come on top (not "
-                     "measured)")
+        notes.append("model.finetune=full: activations measured with every weight trained; the backward counted "
+                     "as twice the forward's FLOPs (input and weight gradients)")
     if family == "qwen-image":
         notes.append("Qwen-Image's text is as long as the batch's longest prompt: model.max_sequence_length is planned")
     refused = ""

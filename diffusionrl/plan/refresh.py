@@ -22,9 +22,9 @@ EXTRA = [("Qwen/Qwen-Image", "bfloat16", "bf16", 64,
 
 
 def cached_entries() -> list[tuple]:
-    """(reference, weights dtype, amp, LoRA rank, LoRA targets, [(resolution, frames, prompt tokens), ...])
-    of every preset's model the planner knows (``facts.plannable``; the shapes: those of the presets using
-    it, for the FLOP counts)."""
+    """(reference, weights dtype, amp, LoRA rank, LoRA targets (``None``: a full fine-tune), [(resolution, frames,
+    prompt tokens), ...]) of every preset's model the planner knows (``facts.plannable``; the shapes: those of
+    the presets using it, for the FLOP counts)."""
     from diffusionrl.config import get_preset
     from diffusionrl.config.presets import PRESETS
 
@@ -34,9 +34,10 @@ def cached_entries() -> list[tuple]:
         m, s = cfg.model, cfg.sampling
         if not plannable(m.name):  # a family the planner has no figures for yet (check.check_fits says so)
             continue
-        targets = lora_suffixes(model_config(m.name)[0], m.lora_targets)
+        full = m.finetune == "full"
+        targets = None if full else lora_suffixes(model_config(m.name)[0], m.lora_targets)
         entry = (m.name, m.dtype, cfg.train.mixed_precision, m.lora_rank, targets, [])
-        out.setdefault(cache_key(m.name, m.dtype, cfg.train.mixed_precision), entry)[5].append(
+        out.setdefault(cache_key(m.name, m.dtype, cfg.train.mixed_precision, m.finetune), entry)[5].append(
             (s.resolution, s.num_frames, m.max_sequence_length))
     out.update({cache_key(*e[:3]): e for e in EXTRA})
     return list(out.values())
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         family, config = model_config(reference)
-        cache["saved"][cache_key(reference, wd, amp)] = measure_saved(family, config, wd, amp, rank, targets)
+        finetune = "full" if targets is None else "lora"
+        cache["saved"][cache_key(reference, wd, amp, finetune)] = measure_saved(family, config, wd, amp, rank, targets)
         if not reference.startswith("builtin:"):  # builtins are read from their builders
             facts = cache["facts"][reference] = hub_facts(reference)
             for resolution, frames, text in shapes:
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 latent_frames = (frames - 1) // facts["temporal_scale"] + 1 if family == "wan" else 1
                 cache["flops"][f"{reference}|{side}|{n_txt}|{latent_frames}"] = measure_flops(
                     family, config, side, n_txt, latent_frames)
-        print(f"{reference} {wd}/{amp}: {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"{reference} {wd}/{amp} {finetune}: {time.perf_counter() - t0:.1f} s", flush=True)
         Path(args.out).write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
     return 0
 
