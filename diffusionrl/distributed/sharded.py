@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-FOLDER = "sharded"  # under the checkpoint folder
 OPTIM, MODEL = "optim.", "model."
 # Frozen base weights stay out (and so are absent on load: not strict); DCP itself refuses a checkpoint that
 # lacks a tensor the run holds.
@@ -42,18 +41,12 @@ def _options():
     return StateDictOptions(**STATE_OPTIONS)
 
 
-def _groups(trainer, objective) -> dict[str, dict[str, torch.Tensor]]:
-    """The EMA and the objective's own tensor groups, as this process holds them (copies)."""
-    groups = {"ema": trainer.ema.state()} if trainer.ema is not None else {}
-    getter = getattr(objective, "state_tensors", None)
-    groups.update(getter() if getter else {})
-    return groups
-
-
 def training_state(policy, trainer, objective) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(tensors, plain)``: the tensors DCP writes for this process (DTensor shards on ranks) under
     ``model.`` / ``optim.`` / ``<group>.`` keys, and the optimizer's non-tensor entries (JSON-able)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from diffusionrl.training.objective import checkpointed_tensors
 
     module = policy.sharded_modules()[0]
     model_sd, optim_sd = get_state_dict(module, trainer.optimizer, options=_options())
@@ -64,7 +57,7 @@ def training_state(policy, trainer, objective) -> tuple[dict[str, torch.Tensor],
             tensors[OPTIM + k] = v
         else:
             plain[k] = list(v) if isinstance(v, tuple) else v
-    for group, values in _groups(trainer, objective).items():
+    for group, values in checkpointed_tensors(trainer, objective).items():
         tensors.update({f"{group}.{k}": v for k, v in values.items()})
     return tensors, plain
 
@@ -81,10 +74,9 @@ def apply_training_state(policy, trainer, objective, tensors: dict[str, torch.Te
     set_state_dict(module, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_options())
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        head, name = key.split(".", 1)
-        if key.startswith((MODEL, OPTIM)):
-            continue
-        groups.setdefault(head, {})[name] = value
+        if not key.startswith((MODEL, OPTIM)):
+            head, name = key.split(".", 1)
+            groups.setdefault(head, {})[name] = value
     if trainer.ema is not None:
         with torch.no_grad():
             for name, value in groups.pop("ema").items():

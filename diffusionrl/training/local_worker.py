@@ -20,7 +20,7 @@ from diffusionrl.run import CheckpointState
 from diffusionrl.trajectory import Trajectory
 
 from .full import build_policy
-from .objective import build_objective
+from .objective import build_objective, checkpointed_tensors
 from .policy import warm_start
 from .preflight import check_inputs
 from .trainer import Trainer
@@ -82,14 +82,8 @@ class LocalPolicyWorker:
                 return {"optimizer": plain, "world_size": 1}
 
             return {"lora": {}, "optimizer": {}, "scaler": scaler, "tensors": {}, "write_shards": write}
-        tensors = {}
-        if trainer.ema is not None:
-            tensors["ema"] = trainer.ema.state()
-        extra_state = getattr(self.objective, "state_tensors", None)
-        if extra_state:
-            tensors.update(extra_state())
         return {"lora": self.policy.lora_state(), "optimizer": trainer.optimizer.state_dict(), "scaler": scaler,
-                "tensors": tensors}
+                "tensors": checkpointed_tensors(trainer, self.objective)}
 
     def load_checkpoint_parts(self, state: CheckpointState) -> None:
         """Either format, whatever world size wrote it."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 from diffusionrl.config import ALGORITHMS
 
 
@@ -27,6 +29,15 @@ def objective_class(name: str):
     if len(found) != 1:
         raise TypeError(f"{module.__name__} defines {len(found)} classes with name = {name!r}; it must define one")
     return found[0]
+
+
+def checkpointed_tensors(trainer, objective) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensor groups a checkpoint holds besides the trained tensors and the optimizer: the trainer's EMA
+    (``ema``) and the objective's own (``state_tensors()``, e.g. NFT's ``old``), as copies."""
+    groups = {"ema": trainer.ema.state()} if trainer.ema is not None else {}
+    getter = getattr(objective, "state_tensors", None)
+    groups.update(getter() if getter else {})
+    return groups
 
 
 def build_objective(cfg, policy):

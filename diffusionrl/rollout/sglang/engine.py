@@ -36,13 +36,13 @@ from . import weight_sync
 from .protocol import json_or_text, parse_generate_response, plan_requests, request_body, trajectory_fields
 from .server import PRECISIONS, SGLangServer, SGLangServerError, model_folder, resolve_sglang_python
 from .weight_sync import (
-    MODULE_CHECKSUM_MAX_NUMEL,
     NamedTensors,
     base_transformer_state,
     full_base_state,
     full_named,
     lora_layers,
     merge_lora,
+    module_checksum_fits,
 )
 
 log = logging.getLogger(__name__)
@@ -104,13 +104,13 @@ class SGLangRolloutEngine:
         self.dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
         if finetune == "full":
             self.layers, self.param_names = None, [n for n, _ in peft_model.named_parameters()]
-            self.module_check = sum(t.numel() for t in peft_model.state_dict().values()) <= MODULE_CHECKSUM_MAX_NUMEL
+            self.module_check = module_checksum_fits(peft_model.state_dict())
             self.base_state = full_base_state(peft_model, keep_params=self.module_check)
             served = [(n, p.detach().to(self.dtype)) for n, p in peft_model.named_parameters()]
         else:
             self.layers, self.param_names = lora_layers(peft_model), None
             self.base_state = base_transformer_state(peft_model)
-            self.module_check = sum(t.numel() for t in self.base_state.values()) <= MODULE_CHECKSUM_MAX_NUMEL
+            self.module_check = module_checksum_fits(self.base_state)
             served = [(layer.param, layer.base.to(self.dtype)) for layer in self.layers]
         self._pushed: NamedTensors | None = None
         self._lock = threading.Lock()

@@ -205,10 +205,10 @@ def push_ipc(post: Post, named: NamedTensors, bucket_bytes: int) -> None:  # pra
         del bucket, flat, payload
 
 
-def module_checksum_fits(module: torch.nn.Module) -> bool:
-    """Whether verification hashes the whole served module on each push (up to
+def module_checksum_fits(state: dict[str, torch.Tensor]) -> bool:
+    """Whether verification hashes the whole served module (``state``) on each push (up to
     ``MODULE_CHECKSUM_MAX_NUMEL`` elements) rather than only the pushed tensors."""
-    return sum(t.numel() for t in module.state_dict().values()) <= MODULE_CHECKSUM_MAX_NUMEL
+    return sum(t.numel() for t in state.values()) <= MODULE_CHECKSUM_MAX_NUMEL
 
 
 def check_update(r) -> None:
@@ -236,8 +236,8 @@ def expected_checksum(base_state: dict[str, torch.Tensor], dtype: torch.dtype, n
 def verify_pushed(post: Post, named: NamedTensors, base_state: dict[str, torch.Tensor], dtype: torch.dtype,
                   what: str, module_check: bool = True) -> None:
     """Each pushed tensor's SHA-256 on the server must equal ours (the server skips unknown
-    names with a warning only); with ``module_check`` (small models: ``module_checksum_fits``) also the
-    whole-module checksum."""
+    names with a warning only); with ``module_check`` (small models: ``module_checksum_fits`` of the served
+    state) also the whole-module checksum."""
     expected = {n: tensor_sha256(t) for n, t in named}
     r = post("/update_weights_from_tensor_checker",
              json={"target_module": "transformer", "expected_named_tensors_sha256": expected})
