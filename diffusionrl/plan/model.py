@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from diffusionrl.config import RANKED, objective
+from diffusionrl.config import RANKED, ConfigError, objective
 from diffusionrl.config.objectives import needs_reference
 
 from .archs import tokens
@@ -102,13 +102,9 @@ def activation_entry(cfg, cache: dict, family: str, config: dict) -> tuple[dict,
     else:
         same = [k for k in cache["saved"] if k.startswith(m.name + "|") and k.endswith("|full") == full]
         if not same and full and any(k.startswith(m.name + "|") for k in cache["saved"]):
-            from diffusionrl.config import ConfigError
-
             raise ConfigError(f"no full fine-tuning activation measurement of {m.name}: run python -m "
                               "diffusionrl.plan.refresh with a preset that sets model.finetune=full for it")
         if not same:
-            from diffusionrl.config import ConfigError
-
             raise ConfigError(f"no activation measurement of {m.name}: run python -m diffusionrl.plan.refresh")
         entry = cache["saved"][same[0]]
         note = f"activations scaled from the {same[0].split('|', 1)[1]} measurement by element size"
