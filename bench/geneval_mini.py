@@ -16,17 +16,21 @@ preset's change set (``tiny-cpu-<name>``, as bench/learning.py) laid under the s
 ``--seeds 0,1,2`` each runs once per training seed (``train.seed``), and each objective's entry holds
 every seed's result and the mean and spread of the gain.
 
+``--keep DIR`` keeps each run's folder (``DIR/<objective>-seed<S>``: its LoRA, metrics and stored rollouts).
+
     python bench/geneval_mini.py [--steps N] [--budget-s S] [--clock wall|cpu] [--eval-repeats K] [--compare a,b,...]
-                                 [--seeds 0,1,...] [--set key=value ...]
+                                 [--seeds 0,1,...] [--keep DIR] [--set key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import _common  # sets sys.path and offline env
 
@@ -37,6 +41,7 @@ from diffusionrl.evaluation import evaluate_lora
 from diffusionrl.heldout import hacking_alarms
 from diffusionrl.report import category_table
 from diffusionrl.train import build_loop
+from diffusionrl.trajectory import TrajectoryWriter
 
 
 def shapes_config(name: str | None, overrides: list[str]) -> Config:
@@ -66,15 +71,29 @@ def accuracy(table) -> dict:
     return out
 
 
+def run_folder(keep: str | None, label: str):
+    """Where a run writes: a temporary folder, or ``keep/<objective>-seed<S>`` (kept: its LoRA, metrics and
+    stored rollouts, for ``shapes_base.py --lora`` and ``colour_drift.py``)."""
+    if not keep:
+        return tempfile.TemporaryDirectory()
+    path = Path(keep) / label.replace(" seed ", "-seed")
+    if path.exists() and any(path.iterdir()):
+        raise SystemExit(f"--keep {keep}: {path} is not empty; give another --keep folder")
+    path.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(path))
+
+
 def run(name: str | None, steps: int | None, budget_s: float | None, repeats: int, overrides: list[str],
-        seed: int | None = None, clock: str = "wall") -> dict:
+        seed: int | None = None, clock: str = "wall", keep: str | None = None) -> dict:
     extra = [f"eval.seeds_per_prompt={repeats}"] + ([f"train.steps={steps}"] if steps else [])
     extra += [f"train.seed={seed}"] if seed is not None else []
     cfg = shapes_config(name, overrides + extra)
     test = load_prompts(cfg.data).test
     label = f"{name or cfg.algorithm.name} seed {cfg.train.seed}"
-    with tempfile.TemporaryDirectory() as tmp:
-        loop = build_loop(cfg, tmp, progress=False)
+    with run_folder(keep, label) as folder:
+        # a kept run stores its rollouts (pictures, prompts, advantages) as the workflow does
+        writers = [TrajectoryWriter(Path(folder) / "trajectories", label, latents=False)] if keep else []
+        loop = build_loop(cfg, folder, progress=False, callbacks=writers)
         loop.backend.push_weights(0)
         t0, c0 = time.perf_counter(), time.process_time()
         spent = (lambda: time.process_time() - c0) if clock == "cpu" else (lambda: time.perf_counter() - t0)
@@ -87,6 +106,8 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
                   f"{m.get('rollout/reward/geneval_mini_accuracy', float('nan')):.3f}{probe} at "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        for writer in writers:
+            writer.close()
         lora_dir, _ = loop.backend.save_outputs(loop.step)
         loop.close()
         t1 = time.perf_counter()
@@ -160,8 +181,10 @@ def main() -> None:
                     "awm,dpo,nft")
     ap.add_argument("--seeds", default=None, help="comma-separated training seeds (default: the preset's)")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--keep", default=None, help="keep each run's folder under this one (default: a temporary one)")
     args = ap.parse_args()
-    kw = {"steps": args.steps, "repeats": args.eval_repeats, "overrides": args.overrides, "clock": args.clock}
+    kw = {"steps": args.steps, "repeats": args.eval_repeats, "overrides": args.overrides, "clock": args.clock,
+          "keep": args.keep}
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     if args.compare:
         kw["budget_s"] = args.budget_s if args.budget_s is not None else 600.0

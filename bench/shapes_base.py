@@ -5,7 +5,8 @@ times with the evaluation's ODE sampling (``eval.num_steps``, ``eval.guidance_sc
 change them), judges each image with ``geneval_mini`` and prints one JSON line: strict success per
 category and overall (over samples, and GenEval's mean over categories), the share of prompts with at
 least one success among their seeds (what sharpening each prompt onto its best seed could reach),
-objects and shapeless blobs per image, the diversity (``heldout.diversity``), and the seconds it took.
+objects and shapeless blobs per image, the diversity (``heldout.diversity``), and the seconds it took;
+``--per-prompt`` adds each prompt's number of successes among its seeds.
 ``--grid PATH`` writes a PNG: five prompts a row, each prompt's samples side by side under its text.
 ``--lora DIR`` judges the base with a LoRA a run wrote instead (``runs/x/lora``, or one of its
 checkpoints: ``runs/x/checkpoints/step-000100``): on ``--split train``, how well a run learned the
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None, help="the first sample's seed (default: eval.seed's samples)")
     ap.add_argument("--parquet", default=None, help="write the successes here (prompt, PNG image bytes)")
     ap.add_argument("--cap", type=int, default=8, help="at most this many successes of a prompt in --parquet")
+    ap.add_argument("--per-prompt", action="store_true", help="also print each prompt's successes among its seeds")
     args = ap.parse_args()
     cfg = load_config("tiny-cpu-shapes", overrides=args.overrides)
     rows = getattr(load_prompts(cfg.data), args.split)
@@ -143,6 +145,8 @@ def main() -> None:
            "eval_num_steps": cfg.eval.num_steps, "eval_guidance_scale": cfg.eval.guidance_scale,
            "scheduler_shift": float(adapter.pipe.scheduler.config.shift),
            "wall_s": round(time.perf_counter() - t0, 1)}
+    if args.per_prompt:
+        out["per_prompt"] = {prompts[g * k]: int(success[g * k: (g + 1) * k].sum()) for g in range(len(rows))}
     if args.grid:
         from PIL import Image
 
