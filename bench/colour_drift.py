@@ -29,6 +29,8 @@ import _common  # sets sys.path and offline env
 import numpy as np
 
 from diffusionrl.rewards.geneval_mini import BLOB, detect, parse_spec
+from diffusionrl.trajectory import list_step_files
+from diffusionrl.trajectory.store import step_of
 
 COLUMNS = ["advantage", "metadata_json", "image_png"]
 
@@ -56,7 +58,7 @@ def window_stats(files: list[Path]) -> dict:
                 adv_sum[kind, colour] += float(row["advantage"])
                 adv_n[kind, colour] += 1
     total = max(1, sum(count.values()))
-    return {"steps": [int(files[0].stem.split("-")[-1]), int(files[-1].stem.split("-")[-1])], "samples": samples,
+    return {"steps": [step_of(files[0]), step_of(files[-1])], "samples": samples,
             "share": {c: round(count[c] / total, 3) for c in sorted(count)},
             "blobs": {c: round(blobs[c] / count[c], 3) for c in sorted(count)},
             "advantage": {kind: {c: round(adv_sum[k, c] / adv_n[k, c], 3) for (k, c) in sorted(adv_n) if k == kind}
@@ -64,7 +66,7 @@ def window_stats(files: list[Path]) -> dict:
 
 
 def drift(run: Path, window: int) -> dict:
-    files = sorted((run / "trajectories").glob("step-*.parquet"))
+    files = list_step_files(run / "trajectories")
     if not files:
         raise SystemExit(f"{run}/trajectories: no step-*.parquet; give a run folder that stored its rollouts")
     window = max(1, min(window, len(files)))
