@@ -159,6 +159,10 @@ def test_report_shows_the_per_category_table_and_prompts_side_by_side():
     assert (per.loc["counting", "gain_lo"], per.loc["counting", "gain_hi"]) == (0.0, 1.0)
     assert per.loc["overall", "gain_lo"] <= 0.25 <= per.loc["overall", "gain_hi"]
     assert category_table(table.drop(columns="category")) is None
+    # a second judge's columns: the table of the one named, by default the first
+    second = table.assign(base_geneval_mini_rules_success=[1.0, 1.0, 0.0], tuned_geneval_mini_rules_success=1.0)
+    assert category_table(second).set_index("category").loc["counting", "base"] == 0.0
+    assert category_table(second, reward="geneval_mini_rules").set_index("category").loc["counting", "base"] == 0.5
     grid = np.zeros((2 * 16, 3 * 16, 3), np.uint8)
     page = build_report(config={}, metrics=pd.DataFrame(), eval_table=table, eval_summary=None, grid=grid)
     assert "Strict accuracy per category" in page and "three squares" in page
@@ -171,3 +175,43 @@ def test_report_shows_the_per_category_table_and_prompts_side_by_side():
     assert '<th>base</th><td class="num">0.15</td><td class="num">0.48</td>' in page
     assert '<th>tuned</th><td class="num">0.23</td><td class="num">0.96</td>' in page
     assert "prompts with a success in 8 seeds" in page and page.count("strict success</th>") == 1
+
+
+def _rules(image, prompt):
+    reward = build_reward("geneval_mini_rules", RewardConfig(weights={"geneval_mini_rules": 1.0}))
+    result = reward(image[None], [prompt], [{"spec": json.dumps(_spec(prompt))}])
+    return bool(result.per_sample["success"][0]), float(result.scores[0])
+
+
+def test_geneval_rules_ignore_other_objects_and_blobs_and_give_per_check_credit():
+    rng = np.random.default_rng(5)
+    assert all(_rules(render(json.loads(r["spec"]), rng, 64), r["prompt"])[0] for r in shape_prompts())
+    circle = {"shape": "circle", "color": "blue", "cx": 20, "cy": 20, "r": 8}
+    crowded = draw_scene([circle, {"shape": "square", "color": "red", "cx": 46, "cy": 46, "r": 8}], 64).copy()
+    crowded[4:8, 40:60] = COLORS["green"]  # a shapeless bar
+    assert not judge(crowded, _spec("a blue circle"))[0]  # the exact-scene judge refuses what is not asked
+    assert _rules(crowded, "a blue circle") == (True, 1.0)  # GenEval looks only at what is asked
+    assert _rules(crowded, "a green circle") == (False, 0.5)  # present, wrong colour: one check of two
+    assert _rules(crowded, "a triangle") == (False, 0.0)
+    # the largest detection of a shape is the one whose colour counts
+    small_green = {"shape": "circle", "color": "green", "cx": 48, "cy": 14, "r": 5}
+    assert _rules(draw_scene([circle, small_green], 64), "a blue circle")[0]
+    assert not _rules(draw_scene([circle, small_green], 64), "a green circle")[0]
+    # counting: at least N, and no more than N, of that shape (other shapes free)
+    spec = _spec("two circles")
+    two = layout(spec, rng, 64)
+    assert _rules(draw_scene(two + [{"shape": "square", "color": "red", "cx": 4, "cy": 4, "r": 3}], 64),
+                  "two circles")[0]
+    three = layout(_spec("three circles"), rng, 64)
+    assert _rules(draw_scene(three, 64), "two circles") == (False, 0.5)
+    assert _rules(draw_scene(three[:1], 64), "two circles") == (False, 0.0)
+    # position: both present (2 checks) and the relation (1 check)
+    spec = _spec("a circle left of a square")
+    objects = layout(spec, rng, 64)
+    mirrored = [{**o, "cx": 64 - o["cx"]} for o in objects]
+    assert _rules(draw_scene(objects, 64), "a circle left of a square") == (True, 1.0)
+    assert _rules(draw_scene(mirrored, 64), "a circle left of a square") == (False, pytest.approx(2 / 3))
+    # colour attribution: the colours swapped pass the two presence checks only
+    spec = _spec("a red square and a green triangle")
+    swapped = [{**o, "color": "green" if o["shape"] == "square" else "red"} for o in layout(spec, rng, 64)]
+    assert _rules(draw_scene(swapped, 64), "a red square and a green triangle") == (False, 0.5)

@@ -25,6 +25,16 @@ prompt, an empty picture scores 0, and a fixed picture scores 1 only on the prom
 satisfy exactly. ``score == 1`` exactly when ``success``. The batch's success rate is logged as
 ``accuracy``; per image, ``RewardResult.per_sample`` carries ``success`` (the evaluation's
 per-category table), ``objects`` (detections per image) and ``blobs`` (shapeless ones among them).
+
+``geneval_mini_rules`` judges the same detections by GenEval's own rules (its ``evaluate_images.py``),
+which ask less: for each asked object, at least ``count`` detections of its shape; the ``count`` most
+confident of them (here: the largest) all in the asked colour, where one is asked; no more than
+``count`` of that shape when a number is asked (a counting prompt); and the asked relation between
+the most confident detections of the two objects. Other objects, blobs and off-colour smudges are not
+looked at (GenEval's detector would not name them). Its ``score`` is the share of those checks that
+pass (a check that needs an absent object fails), the per-clause partial credit the papers train on;
+``success`` is all of them. A picture crowded with every shape in every colour therefore passes more
+of these than of ``geneval_mini``'s: train on one, and judge with both.
 """
 
 from __future__ import annotations
@@ -165,6 +175,30 @@ def judge(image: np.ndarray, spec: dict, detections: list[Detection] | None = No
     return score >= 1.0 - 1e-9, float(score)
 
 
+def geneval_checks(spec: dict, found: list[Detection]) -> tuple[int, int]:
+    """``(passed, checks)`` of GenEval's rules for ``spec`` on ``found`` (see the module docstring)."""
+    named = sorted((d for d in found if d.shape != BLOB and d.color != OFF_COLOUR), key=lambda d: -d.area)
+    passed = checks = 0
+    top: list[list[Detection]] = []
+    for o in spec["objects"]:
+        same = [d for d in named if d.shape == o["shape"]]
+        present = len(same) >= o["count"]
+        top.append(same[: o["count"]] if present else [])
+        passed, checks = passed + present, checks + 1
+        if o["color"]:
+            passed += present and all(d.color == o["color"] for d in top[-1])
+            checks += 1
+        if o["count"] > 1:
+            passed += present and len(same) == o["count"]
+            checks += 1
+    rel = spec.get("relation")
+    if rel:
+        a, b = top[rel["a"]], top[rel["b"]]
+        passed += bool(a and b and all(rel["rel"] in relations(p.box, q.box) for p in a for q in b))
+        checks += 1
+    return int(passed), checks
+
+
 class SceneJudge(Reward):
     """A strict judge of shapes-world pictures, the frame that ``geneval_mini`` and ``shape_edit`` share:
     each image is read by ``detect`` and judged against its row's metadata (``parse``) by ``judge_one``
@@ -239,3 +273,14 @@ class GenEvalMini(SceneJudge):
     def judge_one(self, image, spec, found):
         ok, score = judge(image, spec, found)
         return ok, score, {}
+
+
+@register_reward("geneval_mini_rules")
+class GenEvalMiniRules(GenEvalMini):
+    """GenEval's own rules on the same detections: the share of its checks that pass (module docstring)."""
+
+    name = "geneval_mini_rules"
+
+    def judge_one(self, image, spec, found):
+        passed, checks = geneval_checks(spec, found)
+        return passed == checks, passed / checks, {}
