@@ -16,6 +16,10 @@ preset's change set (``tiny-cpu-<name>``, as bench/learning.py) laid under the s
 ``--seeds 0,1,2`` each runs once per training seed (``train.seed``), and each objective's entry holds
 every seed's result and the mean and spread of the gain.
 
+The first reward of ``reward.weights`` is the judge of the headline figures; every other one with a strict
+success (``--set 'reward.weights={geneval_mini_rules: 1.0, geneval_mini: 0.0}'``: train on GenEval's own
+rules, judge by both) is reported on the same samples under ``other_judges``.
+
 ``--keep DIR`` keeps each run's folder (``DIR/<objective>-seed<S>``: its LoRA, metrics and stored rollouts).
 
     python bench/geneval_mini.py [--steps N] [--budget-s S] [--clock wall|cpu] [--eval-repeats K] [--compare a,b,...]
@@ -39,7 +43,7 @@ from diffusionrl.config.presets import TINY_CPU_SHAPES, preset_changes
 from diffusionrl.data import load_prompts
 from diffusionrl.evaluation import evaluate_lora
 from diffusionrl.heldout import hacking_alarms
-from diffusionrl.report import category_table
+from diffusionrl.report import category_table, success_rewards
 from diffusionrl.train import build_loop
 from diffusionrl.trajectory import TrajectoryWriter
 
@@ -60,10 +64,10 @@ def shapes_config(name: str | None, overrides: list[str]) -> Config:
     return Config.from_dict(apply_overrides(data, extra + overrides), where="bench")
 
 
-def accuracy(table) -> dict:
-    """Base and tuned accuracy per category (``overall``: GenEval's mean of categories, ``all samples``), and
-    the 90 % paired-bootstrap interval of each gain (``category_table``)."""
-    per = category_table(table).set_index("category")
+def accuracy(table, judge: str) -> dict:
+    """Base and tuned accuracy by ``judge`` per category (``overall``: GenEval's mean of categories, ``all
+    samples``), and the 90 % paired-bootstrap interval of each gain (``category_table``)."""
+    per = category_table(table, reward=judge).set_index("category")
     sides = [side for side in ("base", "base_cfg", "tuned") if side in per]  # base_cfg: eval.base_guidance_scale
     out = {side: {c: round(float(per.loc[c, side]), 4) for c in per.index} for side in sides}
     out["gain_interval"] = {c: [round(float(per.loc[c, "gain_lo"]), 4), round(float(per.loc[c, "gain_hi"]), 4)]
@@ -88,6 +92,7 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
     extra = [f"eval.seeds_per_prompt={repeats}"] + ([f"train.steps={steps}"] if steps else [])
     extra += [f"train.seed={seed}"] if seed is not None else []
     cfg = shapes_config(name, overrides + extra)
+    judge = next(iter(cfg.reward.weights))  # the headline judge; other strict judges go to other_judges
     test = load_prompts(cfg.data).test
     label = f"{name or cfg.algorithm.name} seed {cfg.train.seed}"
     with run_folder(keep, label) as folder:
@@ -100,10 +105,10 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         while loop.step < cfg.train.steps and not (budget_s is not None and spent() >= budget_s):
             loop.run_step(loop.step)
             m = loop.history[-1]
-            probe = (f", held-out {m['heldout/reward_mean']:.3f} success {m.get('heldout/geneval_mini_success', 0):.3f}"
+            probe = (f", held-out {m['heldout/reward_mean']:.3f} success {m.get(f'heldout/{judge}_success', 0):.3f}"
                      f" diversity {m['heldout/diversity']:.3f}" if "heldout/reward_mean" in m else "")
             print(f"{label} step {loop.step}: reward {m['rollout/reward/raw_mean']:.3f} success "
-                  f"{m.get('rollout/reward/geneval_mini_accuracy', float('nan')):.3f}{probe} at "
+                  f"{m.get(f'rollout/reward/{judge}_accuracy', float('nan')):.3f}{probe} at "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         for writer in writers:
@@ -113,16 +118,17 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         t1 = time.perf_counter()
         result = evaluate_lora(cfg, test, lora_dir)
         eval_wall = time.perf_counter() - t1
-    acc = accuracy(result.table)
+    acc = accuracy(result.table, judge)
     table, summary = result.table, result.summary
-    per_image = {side: {"objects": round(float(table[f"{side}_geneval_mini_objects"].mean()), 3),
-                        "blobs": round(float(table[f"{side}_geneval_mini_blobs"].mean()), 3)}
+    per_image = {side: {"objects": round(float(table[f"{side}_{judge}_objects"].mean()), 3),
+                        "blobs": round(float(table[f"{side}_{judge}_blobs"].mean()), 3)}
                  for side in ("base", "tuned")}
     probes = [{"version": int(m["heldout/policy_version"]), "reward": round(m["heldout/reward_mean"], 4),
-               "success": round(m.get("heldout/geneval_mini_success", float("nan")), 4),
+               "success": round(m.get(f"heldout/{judge}_success", float("nan")), 4),
                "diversity": round(m["heldout/diversity"], 4)} for m in loop.history if "heldout/reward_mean" in m]
     return {
         "objective": cfg.algorithm.name,
+        "judge": judge,
         "seed": cfg.train.seed,
         "base_accuracy": acc["base"]["overall"],
         "tuned_accuracy": acc["tuned"]["overall"],
@@ -134,8 +140,12 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         **({"base_cfg": acc["base_cfg"], "base_guidance_scale": cfg.eval.base_guidance_scale} if "base_cfg" in acc
            else {}),
         "tuned": acc["tuned"],
-        "prompts_with_a_success": {side: round(summary[f"eval/{p}geneval_mini_success/prompts_with_a_success"], 4)
+        "prompts_with_a_success": {side: round(summary[f"eval/{p}{judge}_success/prompts_with_a_success"], 4)
                                    for side, p in (("base", "base_"), ("tuned", ""))},
+        # the same samples by every other judge of reward.weights with a strict success (e.g. a 0-weight one)
+        "other_judges": {n: {**accuracy(table, n), "prompts_with_a_success": {
+            side: round(summary[f"eval/{p}{n}_success/prompts_with_a_success"], 4)
+            for side, p in (("base", "base_"), ("tuned", ""))}} for n in success_rewards(table.columns) if n != judge},
         # the share of prompt groups whose samples all scored the same (no learning signal), per step
         "zero_std_share": [round(m.get("rollout/zero_std/count", 0) / cfg.train.prompts_per_step, 3)
                            for m in loop.history],
@@ -150,7 +160,7 @@ def run(name: str | None, steps: int | None, budget_s: float | None, repeats: in
         "train_cpu_s": round(cpu, 1),
         "budget_clock": clock,
         "eval_wall_s": round(eval_wall, 1),
-        "train_accuracy": [round(m.get("rollout/reward/geneval_mini_accuracy", float("nan")), 3) for m in loop.history],
+        "train_accuracy": [round(m.get(f"rollout/reward/{judge}_accuracy", float("nan")), 3) for m in loop.history],
         "train_reward": [round(m["rollout/reward/raw_mean"], 4) for m in loop.history],
         "probes": probes,
     }

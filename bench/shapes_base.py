@@ -2,7 +2,8 @@
 
 Samples every held-out prompt of the ``tiny-cpu-shapes`` split (or ``--split train``) ``--seeds``
 times with the evaluation's ODE sampling (``eval.num_steps``, ``eval.guidance_scale``; ``--set`` to
-change them), judges each image with ``geneval_mini`` and prints one JSON line: strict success per
+change them), judges each image with ``geneval_mini`` (``--judge geneval_mini_rules``: GenEval's own rules on
+the same detector) and prints one JSON line: strict success per
 category and overall (over samples, and GenEval's mean over categories), the share of prompts with at
 least one success among their seeds (what sharpening each prompt onto its best seed could reach),
 objects and shapeless blobs per image, the diversity (``heldout.diversity``), and the seconds it took;
@@ -21,7 +22,7 @@ sampling fine-tuning on the model's own strict successes (draw them with a ``--s
 ``eval.seed``'s, so no evaluated sample is trained on).
 
     python bench/shapes_base.py [--seeds 4] [--split test] [--grid docs/images/shapes-base.png]
-                                [--set eval.guidance_scale=3] [--lora runs/x/lora]
+                                [--set eval.guidance_scale=3] [--lora runs/x/lora] [--judge geneval_mini_rules]
                                 [--seed 100000 --parquet runs/successes.parquet --cap 8]
 """
 
@@ -40,7 +41,7 @@ from diffusionrl.data.shapes import CATEGORIES
 from diffusionrl.evaluation import eval_samples, eval_spec, prompts_with_a_success
 from diffusionrl.heldout import diversity
 from diffusionrl.models import load_adapter
-from diffusionrl.rewards.geneval_mini import GenEvalMini
+from diffusionrl.rewards.geneval_mini import GenEvalMini, GenEvalMiniRules
 from diffusionrl.rollout.local import LocalRolloutEngine
 
 
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--parquet", default=None, help="write the successes here (prompt, PNG image bytes)")
     ap.add_argument("--cap", type=int, default=8, help="at most this many successes of a prompt in --parquet")
     ap.add_argument("--per-prompt", action="store_true", help="also print each prompt's successes among its seeds")
+    ap.add_argument("--judge", choices=("geneval_mini", "geneval_mini_rules"), default="geneval_mini",
+                    help="the exact-scene judge, or GenEval's own rules on the same detector")
     args = ap.parse_args()
     cfg = load_config("tiny-cpu-shapes", overrides=args.overrides)
     rows = getattr(load_prompts(cfg.data), args.split)
@@ -127,13 +130,15 @@ def main() -> None:
     t0 = time.perf_counter()
     traj = LocalRolloutEngine(adapter, transformer, 32).generate(
         prompts, groups, seeds, eval_spec(cfg), None, metadata)
-    result = GenEvalMini()(traj.images, prompts, metadata)
+    result = {"geneval_mini": GenEvalMini, "geneval_mini_rules": GenEvalMiniRules}[args.judge]()(
+        traj.images, prompts, metadata)
     success = result.per_sample["success"]
     cats = np.array([m["category"] for m in metadata])
     present = [c for c in CATEGORIES if (cats == c).any()]
     per = {c: round(float(success[cats == c].mean()), 4) for c in present}
     groups_a = np.asarray(groups)
-    out = {"split": args.split, "lora": args.lora, "prompts": len(rows), "samples_per_prompt": k, "seed": seed,
+    out = {"judge": args.judge, "split": args.split, "lora": args.lora, "prompts": len(rows),
+           "samples_per_prompt": k, "seed": seed,
            "success": per, "overall": round(float(success.mean()), 4),
            "categories_mean": round(float(np.mean(list(per.values()))), 4),
            "prompts_with_a_success": round(prompts_with_a_success(success, groups), 4),

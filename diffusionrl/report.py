@@ -85,20 +85,23 @@ def paired_bootstrap(diff: dict[str, np.ndarray], resamples: int = 2000, seed: i
     return {c: d[rng.integers(0, len(d), (resamples, len(d)))] for c, d in diff.items()}
 
 
-def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed: int = 0) -> pd.DataFrame | None:
+def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed: int = 0,
+                   reward: str | None = None) -> pd.DataFrame | None:
     """GenEval's table: per category the prompts, the samples and the base and tuned accuracy, then
     ``overall`` by GenEval's rule (the mean of the category accuracies, each category counting once
     however many prompts it holds) and ``all samples`` (the mean over samples), from an evaluation table
     with a ``category`` column and ``base_<reward>_success`` / ``tuned_<reward>_success`` columns
-    (geneval_mini's); None for other tables. With ``base_cfg_<reward>_success`` (``eval.base_guidance_scale``),
-    a ``base_cfg`` column between them.
+    (geneval_mini's; ``reward`` names which, by default the first); None for other tables. With
+    ``base_cfg_<reward>_success`` (``eval.base_guidance_scale``), a ``base_cfg`` column between them.
 
     ``gain_lo`` / ``gain_hi``: the 5th and 95th percentiles of each row's gain over ``resamples`` paired
     bootstrap draws of the samples, within each category (a category of one prompt and a few seeds moves
     ``overall`` as much as one of fourteen prompts: the interval says how far the seeds alone move it)."""
     if eval_table is None or "category" not in eval_table:
         return None
-    base = next((c for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")), None)
+    wanted = f"base_{reward}_success" if reward else None
+    base = next((c for c in eval_table.columns if c == wanted or (not reward and c.startswith("base_")
+                                                                   and c.endswith("_success"))), None)
     if base is None:
         return None
     tuned = "tuned_" + base[len("base_"):]
