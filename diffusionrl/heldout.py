@@ -11,15 +11,18 @@ difference, and every image run computes both every ``eval.every`` steps:
   that draws one picture for every prompt has diversity near 0).
 
 ``HeldOutProbe`` (in ``training.backend.ImageBackend``) writes them into the step's metrics as
-``heldout/reward_mean``, ``heldout/reward_std``, ``heldout/num_samples``, ``heldout/<reward>_mean``,
-``heldout/<reward>_<key>`` (a reward's per-sample values, e.g. geneval_mini's success),
+``heldout/reward_mean``, ``heldout/reward_std``, ``heldout/num_samples``, ``heldout/<reward>_mean`` and
+``_std``, ``heldout/<reward>_<key>`` (a reward's per-sample values, e.g. geneval_mini's success),
 ``heldout/diversity`` (when there are two prompts) and ``heldout/policy_version`` (the updates the
 probed weights have had). ``hacking_alarms`` reads a run's metric rows and flags each probe where
 the training reward has risen above its first window's while the held-out score fell (below the
 previous probe's or the first probe's by more than ``Z`` standard errors) or the diversity fell
-below ``DIVERSITY_FLOOR`` of the first probe's. ``HackingAlarm`` (a ``Callback``) puts
-``alarm/hacking`` (1 or 0) into every probed step's metrics and logs one warning line naming the
-step and the reason; the report plots the same rows and marks the same steps.
+below ``DIVERSITY_FLOOR`` of the first probe's. With two rewards or more, each reward's held-out mean
+is watched as well: a second judge weighted 0 in ``reward.weights`` (say ``geneval_mini`` beside
+``geneval_mini_rules``) is trained on by no one, so its fall while the trained reward holds is gaming.
+``HackingAlarm`` (a ``Callback``) puts ``alarm/hacking`` (1 or 0) into every probed step's metrics and
+logs one warning line naming the step and the reason; the report plots the same rows and marks the same
+steps.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class HeldOutProbe:
             out[DIVERSITY_KEY] = spread
         for name, result in parts.items():
             out[f"heldout/{name}_mean"] = float(np.mean(result.scores))
+            out[f"heldout/{name}_std"] = float(np.std(result.scores))
             for key, values in result.per_sample.items():
                 out[f"heldout/{name}_{key}"] = float(np.mean(values))
         return out
@@ -115,8 +119,18 @@ class Alarm:
     reason: str
 
 
-def _se(row: dict) -> float:
-    return float(row.get("heldout/reward_std", 0.0)) / max(1.0, float(row.get("heldout/num_samples", 1.0))) ** 0.5
+def _se(row: dict, key: str = HELDOUT_KEY) -> float:
+    std = "heldout/reward_std" if key == HELDOUT_KEY else key[: -len("_mean")] + "_std"
+    return float(row.get(std, 0.0)) / max(1.0, float(row.get("heldout/num_samples", 1.0))) ** 0.5
+
+
+def _watched(row: dict) -> list[tuple[str, str]]:
+    """(label, key) of the held-out figures a probe row holds: the weighted reward, and with two rewards
+    or more each reward's own mean (one weighted 0 is only watched: a judge the policy is not trained on)."""
+    parts = sorted(k for k in row if k.startswith("heldout/") and k.endswith("_mean") and k != HELDOUT_KEY
+                   and k[: -len("_mean")] + "_std" in row)
+    return [("held-out reward", HELDOUT_KEY),
+            *((f"held-out {k[len('heldout/'):-len('_mean')]}", k) for k in parts if len(parts) > 1)]
 
 
 def hacking_alarms(rows: list[dict[str, Any]]) -> list[Alarm]:
@@ -139,14 +153,18 @@ def hacking_alarms(rows: list[dict[str, Any]]) -> list[Alarm]:
         recent = train_mean(k - window + 1, k + 1)  # the rollouts of the last window, this probe's included
         if not recent > train_first:
             continue  # the training reward is not rising: nothing to be fooled by
-        score, version = float(row[HELDOUT_KEY]), int(row.get("heldout/policy_version", row.get("step", k)))
+        version = int(row.get("heldout/policy_version", row.get("step", k)))
         reasons = []
-        for label, ref in (("the previous probe", before), ("the first probe", first)):
-            drop = float(ref[HELDOUT_KEY]) - score
-            if drop > Z * (_se(row) ** 2 + _se(ref) ** 2) ** 0.5 and drop > 0:
-                reasons.append(f"held-out reward fell to {score:.4g} from {float(ref[HELDOUT_KEY]):.4g} at "
-                               f"{label} (version {int(ref.get('heldout/policy_version', 0))})")
-                break
+        for what, key in _watched(row):
+            score = float(row[key])
+            for label, ref in (("the previous probe", before), ("the first probe", first)):
+                if key not in ref:
+                    continue
+                drop = float(ref[key]) - score
+                if drop > Z * (_se(row, key) ** 2 + _se(ref, key) ** 2) ** 0.5 and drop > 0:
+                    reasons.append(f"{what} fell to {score:.4g} from {float(ref[key]):.4g} at "
+                                   f"{label} (version {int(ref.get('heldout/policy_version', 0))})")
+                    break
         d0, d = float(first.get(DIVERSITY_KEY, np.nan)), float(row.get(DIVERSITY_KEY, np.nan))
         if np.isfinite(d0) and np.isfinite(d) and d < DIVERSITY_FLOOR * d0:
             reasons.append(f"diversity collapsed to {d:.3g} (first probe {d0:.3g})")

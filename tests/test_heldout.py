@@ -51,6 +51,22 @@ def test_no_alarm_when_both_rise_or_the_drop_is_within_noise_or_training_reward_
     assert hacking_alarms(_rows(flat, {0: (0.30,), 10: (0.25,), 20: (0.10,)})) == []
 
 
+def test_a_watched_judge_that_falls_while_the_trained_one_holds_is_an_alarm():
+    """Training on GenEval's rules with the exact-scene judge at weight 0: the policy crowds its
+    pictures, the trained judge's held-out mean holds and the watched one's falls."""
+    train = list(np.linspace(0.55, 0.75, 30))
+    watched = {0: (0.61, 0.47), 10: (0.66, 0.38), 20: (0.65, 0.30)}
+    rows = _rows(train, {v: (trained,) for v, (trained, _) in watched.items()})
+    for row in rows:
+        if "heldout/reward_mean" in row:
+            trained, exact = watched[int(row["heldout/policy_version"])]
+            row.update({"heldout/geneval_mini_rules_mean": trained, "heldout/geneval_mini_rules_std": 0.2,
+                        "heldout/geneval_mini_mean": exact, "heldout/geneval_mini_std": 0.2})
+    (alarm,) = hacking_alarms(rows)
+    assert alarm.policy_version == 20 and "held-out geneval_mini fell to 0.3 from 0.47" in alarm.reason
+    assert "geneval_mini_rules fell" not in alarm.reason and "held-out reward fell" not in alarm.reason
+
+
 def test_the_alarm_goes_off_when_diversity_collapses():
     train = list(np.linspace(0.2, 0.6, 30))
     (alarm,) = hacking_alarms(_rows(train, {0: (0.30, 0.20), 10: (0.40, 0.15), 20: (0.45, 0.08)}))
