@@ -184,16 +184,26 @@ def success_rewards(columns) -> list[str]:
                   and n.endswith("_success") and "/" not in n and not n.startswith("base_cfg_"))
 
 
-def training_curve_png(metrics: pd.DataFrame | None, alarms=()) -> np.ndarray | None:
+def report_judge(config: dict[str, Any], columns) -> str | None:
+    """The judge whose strict verdict the report's table, curve and thumbnails show: the first reward of
+    ``reward.weights`` with a strict success among ``columns`` (the trained one; a judge at weight 0 beside
+    it stays in the headline), else the first with one; None without any."""
+    found = success_rewards(columns)
+    weights = ((config.get("reward") or {}).get("weights") or {}) if isinstance(config, dict) else {}
+    return next((n for n in weights if n in found), found[0] if found else None)
+
+
+def training_curve_png(metrics: pd.DataFrame | None, alarms=(), judge: str | None = None) -> np.ndarray | None:
     """One plot against the step: the rollout reward (partial credit on the shapes world; its spread
-    shaded) or, without rollouts (SFT), the loss; the held-out probes' strict success, else their reward;
-    each reward-hacking alarm a red line. None without either curve."""
+    shaded) or, without rollouts (SFT), the loss; the held-out probes' strict success (``judge``'s, by
+    default the first), else their reward; each reward-hacking alarm a red line. None without either curve."""
     from diffusionrl.heldout import HELDOUT_KEY, TRAIN_KEY
 
     if metrics is None or metrics.empty or "step" not in metrics:
         return None
     train = next((k for k in (TRAIN_KEY, "train/loss") if k in metrics and metrics[k].notna().any()), None)
     strict = sorted(c for c in metrics.columns if c.startswith("heldout/") and c.endswith("_success"))
+    strict = sorted(strict, key=lambda c: c != f"heldout/{judge}_success")  # the judge's first
     held = next((k for k in [*strict, HELDOUT_KEY] if k in metrics and metrics[k].notna().any()), None)
     if train is None and held is None:
         return None
@@ -213,7 +223,8 @@ def training_curve_png(metrics: pd.DataFrame | None, alarms=()) -> np.ndarray | 
                             rows[train] + rows["rollout/reward/raw_std"], color="C0", alpha=0.15)
     if held is not None:
         probes = metrics.dropna(subset=[held])
-        label = "held-out: strict success" if held in strict else "held-out: reward (ODE)"
+        label = ("held-out: reward (ODE)" if held not in strict else "held-out: strict success" +
+                 (f" ({held[len('heldout/'):-len('_success')]})" if len(strict) > 1 else ""))
         ax.plot(probes["step"], probes[held], "o-", color="C2", label=label)
     for alarm in alarms:
         ax.axvline(alarm.step, color="red", alpha=0.6)
@@ -263,8 +274,8 @@ def headline(summary: dict[str, float] | None, config: dict[str, Any]) -> dict |
     return {"columns": [columns[i][0] for i in keep], "rows": rows, "note": note}
 
 
-def category_rows(eval_table: pd.DataFrame | None) -> dict | None:
-    table = category_table(eval_table)
+def category_rows(eval_table: pd.DataFrame | None, judge: str | None = None) -> dict | None:
+    table = category_table(eval_table, reward=judge)
     if table is None:
         return None
     sides = [s for s in ("base", "base_cfg", "tuned") if s in table]
@@ -274,10 +285,11 @@ def category_rows(eval_table: pd.DataFrame | None) -> dict | None:
              "values": [r["category"], int(r["prompts"]), int(r["samples"]), *(fmt(r[s]) for s in sides),
                         fmt(r["gain"], "+.2f"), f"{r['gain_lo']:+.2f} .. {r['gain_hi']:+.2f}"]}
             for r in table.to_dict("records")]
-    return {"columns": columns, "rows": rows}
+    several = len(success_rewards(eval_table.columns)) > 1
+    return {"columns": columns, "rows": rows, "judge": f" ({judge})" if judge and several else ""}
 
 
-def sample_rows(eval_table: pd.DataFrame, grid: np.ndarray) -> dict:
+def sample_rows(eval_table: pd.DataFrame, grid: np.ndarray, judge: str | None = None) -> dict:
     """Each held-out prompt (and input image, for edits) a row: up to ``SEEDS_SHOWN`` of its samples per
     side, cut from the evaluation grid (base band above tuned, an edit's input band above both; one
     column per sample, a prompt's samples side by side), each with its strict verdict when there is one."""
@@ -285,7 +297,7 @@ def sample_rows(eval_table: pd.DataFrame, grid: np.ndarray) -> dict:
     editing = "input_image_sha256" in eval_table.columns
     sides = ("input", "base", "tuned") if editing else ("base", "tuned")
     h, w = grid.shape[-3] // len(sides), grid.shape[-2] // n
-    success = success_rewards(eval_table.columns)
+    success = sorted(success_rewards(eval_table.columns), key=lambda n: n != judge)  # the judge's first
     samples = eval_table.to_dict("records")
     key = ["prompt", "input_image_sha256"] if editing else ["prompt"]
     rows, start, most = [], 0, 0
@@ -346,7 +358,8 @@ def build_report(
         records = [{k: v for k, v in r.items() if not (isinstance(v, float) and np.isnan(v))}
                    for r in metrics.to_dict("records")]
         alarms = hacking_alarms(records)
-    curve = training_curve_png(metrics, alarms)
+    judge = report_judge(config, eval_table.columns if eval_table is not None else [])
+    curve = training_curve_png(metrics, alarms, judge)
     plots = []
     more = curves_png(metrics) if metrics is not None else None
     if more is not None:
@@ -358,7 +371,7 @@ def build_report(
     plots += [{"title": f"Training samples: {name}", "src": data_uri(image), "width": min(1400, image.shape[-2] * 2)}
               for name, image in (sample_grids or {}).items()]
     has_table = eval_table is not None and len(eval_table) > 0
-    samples = sample_rows(eval_table, grid) if grid is not None and has_table else None
+    samples = sample_rows(eval_table, grid, judge) if grid is not None and has_table else None
     whole = ({"src": data_uri(grid), "width": min(1400, grid.shape[-2] * 2)}
              if grid is not None and samples is None else None)
     eval_cfg = config.get("eval", {}) if isinstance(config, dict) else {}
@@ -370,7 +383,8 @@ def build_report(
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
                              autoescape=True, trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     return env.get_template(TEMPLATE).render(
-        title=title, subtitle=subtitle, headline=headline(eval_summary, config), categories=category_rows(eval_table),
+        title=title, subtitle=subtitle, headline=headline(eval_summary, config),
+        categories=category_rows(eval_table, judge),
         curve=data_uri(curve) if curve is not None else None, alarms=alarms, samples=samples, whole_grid=whole,
         artifacts=list((artifacts or {}).items()),
         summary_rows=[(k, fmt(v, ".6g")) for k, v in sorted((eval_summary or {}).items())],

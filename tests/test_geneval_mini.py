@@ -175,6 +175,16 @@ def test_report_shows_the_per_category_table_and_prompts_side_by_side():
     assert '<th>base</th><td class="num">0.15</td><td class="num">0.48</td>' in page
     assert '<th>tuned</th><td class="num">0.23</td><td class="num">0.96</td>' in page
     assert "prompts with a success in 8 seeds" in page and page.count("strict success</th>") == 1
+    # two judges: the table, the thumbnails' verdicts and their titles follow the trained one (the first of
+    # reward.weights), the one at weight 0 stays in the headline
+    config = {"reward": {"weights": {"geneval_mini_rules": 1.0, "geneval_mini": 0.0}}}
+    page = build_report(config=config, metrics=pd.DataFrame(), eval_table=second, eval_summary=None, grid=grid)
+    assert "Strict accuracy per category (geneval_mini_rules)" in page
+    assert "geneval_mini_rules&#39;s strict verdict" in page
+    assert page.count("&#10003;") == 2 + 3  # tuned succeeds on all three by the rules, base on two
+    page = build_report(config={"reward": {"weights": {"geneval_mini": 1.0, "geneval_mini_rules": 0.0}}},
+                        metrics=pd.DataFrame(), eval_table=second, eval_summary=None, grid=grid)
+    assert "Strict accuracy per category (geneval_mini)" in page and page.count("&#10003;") == 3
 
 
 def _rules(image, prompt):
