@@ -41,7 +41,7 @@ from diffusionrl.data.shapes import CATEGORIES
 from diffusionrl.evaluation import eval_samples, eval_spec, prompts_with_a_success
 from diffusionrl.heldout import diversity
 from diffusionrl.models import load_adapter
-from diffusionrl.rewards.geneval_mini import GenEvalMini, GenEvalMiniRules
+from diffusionrl.rewards import build_reward
 from diffusionrl.rollout.local import LocalRolloutEngine
 
 
@@ -130,8 +130,7 @@ def main() -> None:
     t0 = time.perf_counter()
     traj = LocalRolloutEngine(adapter, transformer, 32).generate(
         prompts, groups, seeds, eval_spec(cfg), None, metadata)
-    result = {"geneval_mini": GenEvalMini, "geneval_mini_rules": GenEvalMiniRules}[args.judge]()(
-        traj.images, prompts, metadata)
+    result = build_reward(args.judge, cfg.reward)(traj.images, prompts, metadata)
     success = result.per_sample["success"]
     cats = np.array([m["category"] for m in metadata])
     present = [c for c in CATEGORIES if (cats == c).any()]

@@ -99,10 +99,9 @@ def category_table(eval_table: pd.DataFrame | None, resamples: int = 2000, seed:
     ``overall`` as much as one of fourteen prompts: the interval says how far the seeds alone move it)."""
     if eval_table is None or "category" not in eval_table:
         return None
-    wanted = f"base_{reward}_success" if reward else None
-    base = next((c for c in eval_table.columns if c == wanted or (not reward and c.startswith("base_")
-                                                                   and c.endswith("_success"))), None)
-    if base is None:
+    base = (f"base_{reward}_success" if reward else
+            next((c for c in eval_table.columns if c.startswith("base_") and c.endswith("_success")), None))
+    if base not in eval_table:
         return None
     tuned = "tuned_" + base[len("base_"):]
     sides = {"base": base, **({"base_cfg": f"base_cfg_{base[len('base_'):]}"}
@@ -202,8 +201,8 @@ def training_curve_png(metrics: pd.DataFrame | None, alarms=(), judge: str | Non
     if metrics is None or metrics.empty or "step" not in metrics:
         return None
     train = next((k for k in (TRAIN_KEY, "train/loss") if k in metrics and metrics[k].notna().any()), None)
-    strict = sorted(c for c in metrics.columns if c.startswith("heldout/") and c.endswith("_success"))
-    strict = sorted(strict, key=lambda c: c != f"heldout/{judge}_success")  # the judge's first
+    strict = sorted((c for c in metrics.columns if c.startswith("heldout/") and c.endswith("_success")),
+                    key=lambda c: (c != f"heldout/{judge}_success", c))  # the judge's first, then by name
     held = next((k for k in [*strict, HELDOUT_KEY] if k in metrics and metrics[k].notna().any()), None)
     if train is None and held is None:
         return None
@@ -297,7 +296,7 @@ def sample_rows(eval_table: pd.DataFrame, grid: np.ndarray, judge: str | None = 
     editing = "input_image_sha256" in eval_table.columns
     sides = ("input", "base", "tuned") if editing else ("base", "tuned")
     h, w = grid.shape[-3] // len(sides), grid.shape[-2] // n
-    success = sorted(success_rewards(eval_table.columns), key=lambda n: n != judge)  # the judge's first
+    judge = judge or next(iter(success_rewards(eval_table.columns)), None)  # whose verdict: by default the first
     samples = eval_table.to_dict("records")
     key = ["prompt", "input_image_sha256"] if editing else ["prompt"]
     rows, start, most = [], 0, 0
@@ -311,15 +310,15 @@ def sample_rows(eval_table: pd.DataFrame, grid: np.ndarray, judge: str | None = 
             shown = range(start, start + 1) if side == "input" else range(start, min(end, start + SEEDS_SHOWN))
             cells.append([{"alt": side, "width": min(2 * w, THUMB_PX),
                            "src": data_uri(grid[..., k * h:(k + 1) * h, i * w:(i + 1) * w, :]),
-                           "ok": (bool(samples[i][f"{side}_{success[0]}_success"] >= 0.5)
-                                  if success and side != "input" else None)} for i in shown])
+                           "ok": (bool(samples[i][f"{side}_{judge}_success"] >= 0.5)
+                                  if judge and side != "input" else None)} for i in shown])
         rows.append({"prompt": samples[start]["prompt"], "category": samples[start].get("category", ""),
                      "cells": cells})
         start = end
     title = "Held-out edits: input, base | tuned" if editing else "Held-out prompts: base | tuned"
     note = (f"the first {SEEDS_SHOWN} of {most} seeds per prompt; every sample is in the per-sample table below"
             if most > SEEDS_SHOWN else "")
-    verdict = f", {chr(10003)} / {chr(10007)}: {success[0]}'s strict verdict" if success else ""
+    verdict = f", {chr(10003)} / {chr(10007)}: {judge}'s strict verdict" if judge else ""
     return {"title": f"{title}, same seeds{verdict}", "sides": sides, "rows": rows, "note": note}
 
 
