@@ -60,12 +60,15 @@ demo: setup
 	@echo "registry:     $(BIN)/python -m diffusionrl.serving show"
 	@$(BIN)/python -m diffusionrl.serving show
 
-# The two environments install side by side (pip unpacks on one core), then the tests run.
-# pytest exits 5 when it collected no test: that is a failure here, not a pass.
+# The two environments install side by side (pip unpacks on one core), then the tests run in TEST_WORKERS
+# processes (pytest-xdist), each taking whole modules, the longest first (tests/conftest.py); TEST_WORKERS=0
+# runs them in this process. pytest exits 5 when it collected no test: that is a failure here, not a pass.
+TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j2 setup $(SGLANG_ENV)
 	$(BIN)/ruff check .
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests; rc=$$?; \
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests; \
+	rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: setup $(SGLANG_ENV)

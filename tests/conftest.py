@@ -22,7 +22,31 @@ import torch  # noqa: E402
 
 from diffusionrl.config import load_config  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (``make test``: one worker per core) each worker computes on one thread.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
+
+# The longest modules first, so that the workers of `make test` (whole modules each, taken in this order) do
+# not end on one long module while the other has nothing left; the rest in their alphabetical order.
+LONG_MODULES = ("test_cluster", "test_sglang", "test_distributed", "test_workflow", "test_tracking",
+                "test_qwen_image_edit", "test_pretrain_shapes", "test_plan", "test_shapes_demo", "test_images")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_per_module():
+    """Every module meets no Ray started by another: a Ray a module's tests leave running is stopped when the
+    module ends, so a module's result does not depend on which modules ran before it in the same process."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 # A training config small enough for a test: 2 groups x 4 samples, 32 px, 4 steps.
 TINY_OVERRIDES = [

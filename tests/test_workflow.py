@@ -182,7 +182,11 @@ def test_every_objective_preset_runs_through_the_workflow(grpo, preset, tmp_path
 
 
 def test_two_rank_diffusionnft_runs_through_the_workflow(grpo, tmp_path):
-    """DiffusionNFT on 2 FSDP ranks (the local engine on rank 0): train, evaluate, register, report."""
+    """DiffusionNFT on 2 FSDP ranks (the local engine on rank 0): train, evaluate, register, report. The Ray the
+    ranks start is sized for them and stops with them: a later run in the same process starts its own."""
+    import ray
+
+    assert not ray.is_initialized()
     ckpt = tmp_path / "ckpt"
     ranks = ["train.world_size=2", "train.rollout_engines=1"]
     out = grpo(config=get_preset("tiny-cpu-nft"), checkpoint_dir=str(ckpt),
@@ -193,6 +197,7 @@ def test_two_rank_diffusionnft_runs_through_the_workflow(grpo, tmp_path):
     assert saved["algorithm"]["name"] == "nft" and saved["train"]["world_size"] == 2
     assert (Path(out.lora.path) / "adapter_model.safetensors").is_file() and out.registered.version
     assert {"eval/reward_mean", "eval/base_reward_mean"} <= set(out.eval_summary)
+    assert not ray.is_initialized(), "the Ray the trainer ranks started outlived the run"
 
 
 def test_a_full_fine_tune_runs_through_the_workflow_and_serves(grpo, tmp_path):

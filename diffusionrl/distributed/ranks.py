@@ -52,8 +52,16 @@ class RankGroup:
         check_inputs(cfg, model_path)  # here, in one line, not as a traceback from every rank's actor
         self.cfg = cfg
         train_cfg = cfg.train
-        raycluster.ensure_ray(max(2, train_cfg.world_size * train_cfg.cpus_per_bundle + cfg.reward.num_actors))
-        self.placement = build_placement(train_cfg)
+        # A Ray this group starts is sized for it: it stops with the group (a later run in the same process,
+        # with more ranks, starts its own instead of finding this one too small).
+        self.started_ray = raycluster.ensure_ray(
+            max(2, train_cfg.world_size * train_cfg.cpus_per_bundle + cfg.reward.num_actors))
+        try:
+            self.placement = build_placement(train_cfg)
+        except BaseException:
+            if self.started_ray:
+                ray.shutdown()
+            raise
         addr, port = node_address_and_port()
         cls = ray.remote(TrainerRank)
         self.ranks = [
@@ -72,6 +80,7 @@ class RankGroup:
             self.close()
             raise
         if len({i["digest"] for i in self.infos}) != 1:
+            self.close()
             raise RuntimeError(f"trainer ranks loaded different base weights: {self.infos}")
         self._digest = self.infos[0]["digest"]
 
@@ -179,3 +188,6 @@ class RankGroup:
         for rank in self.ranks:
             ray.kill(rank)
         self.placement.remove()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+            self.started_ray = False

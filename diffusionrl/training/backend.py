@@ -200,10 +200,11 @@ class ImageBackend:
         return self.worker.save_lora(self.out_dir, info)
 
     def close(self) -> None:
-        self.worker.close()
+        # the scorer's actors first: the worker's trainer ranks may have started the Ray they run in
         close = getattr(self.scorer, "close", None)
         if close:
             close()
+        self.worker.close()
 
 
 def save_grid(images: np.ndarray, path: Path, cols: int) -> Path:
