@@ -97,6 +97,16 @@ def ensure_ray(num_cpus: int) -> bool:
     return True
 
 
+def release_ray(started: bool) -> bool:
+    """Stop the local Ray for which ``ensure_ray`` returned True (``started``); a Ray this process joined, or
+    one already stopped, is left alone. Returns False: the caller's flag once the Ray is released."""
+    import ray
+
+    if started and ray.is_initialized():
+        ray.shutdown()
+    return False
+
+
 def seconds(env: str) -> float:
     """A timeout from the environment (``DEFAULTS`` when unset); a bad value fails naming the variable."""
     raw = os.environ.get(env, "")

@@ -59,8 +59,7 @@ class RankGroup:
         try:
             self.placement = build_placement(train_cfg)
         except BaseException:
-            if self.started_ray:
-                ray.shutdown()
+            self.started_ray = raycluster.release_ray(self.started_ray)
             raise
         addr, port = node_address_and_port()
         cls = ray.remote(TrainerRank)
@@ -188,6 +187,4 @@ class RankGroup:
         for rank in self.ranks:
             ray.kill(rank)
         self.placement.remove()
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-            self.started_ray = False
+        self.started_ray = raycluster.release_ray(self.started_ray)

@@ -217,6 +217,4 @@ class RewardActorPool:
             except Exception:
                 pass
         self.actors = []
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-            self.started_ray = False
+        self.started_ray = raycluster.release_ray(self.started_ray)
