@@ -69,6 +69,23 @@ def test_pinned_actors_score_like_in_process_on_their_own_cores(batch):
         assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_a_pool_that_cannot_be_admitted_stops_the_ray_it_started(monkeypatch):
+    """The admission check fails (here forced: the cluster the pool sized cannot hold its actors): the pool
+    raises it and leaves no Ray of its own running, so a later pool in the process sizes a new one.
+    (Before the module's pool exists, as the test above.)"""
+    from diffusionrl import raycluster
+
+    assert not ray.is_initialized()
+
+    def refuse(*_args, **_kwargs):
+        raise raycluster.RayResourcesUnavailable("reward.num_actors=2 x 1 CPU needs 2 CPUs; lower reward.num_actors")
+
+    monkeypatch.setattr(raycluster, "admit", refuse)
+    with pytest.raises(raycluster.RayResourcesUnavailable, match="lower reward.num_actors"):
+        RewardActorPool(CFG, num_actors=2)
+    assert not ray.is_initialized(), "the Ray the pool started outlived its failed start"
+
+
 def test_pool_equals_in_process(pool, batch):
     local = MixtureReward(CFG.weights, CFG)
     expected = local(*batch)

@@ -167,16 +167,17 @@ class RewardActorPool:
         self.threads = int(threads_per_actor or max(1, int(cpus_per_actor)))
         self.max_retries = max_retries
         self.pin_cores = pin_cores
+        self.actors = []
         self.started_ray = ensure_ray(num_cpus=max(1, int(np.ceil(self.num_actors * cpus_per_actor))))
-        options = reward_actor_options(cpus_per_actor, max_retries)
-        # Before any actor exists: Ray would queue the ones that do not fit, forever and silently.
-        admission = raycluster.admit(
-            f"reward.num_actors={self.num_actors}", {"CPU": cpus_per_actor}, self.num_actors,
-            "lower reward.num_actors or add nodes",
-            on_nodes_with=REWARD_NODE_RESOURCE if "resources" in options else None)
-        self._remote = ray.remote(**options)(_RewardActor)
-        self.actors = [self._new_actor(k) for k in range(self.num_actors)]
-        try:
+        try:  # a pool that fails to start stops its actors and the local Ray it started
+            options = reward_actor_options(cpus_per_actor, max_retries)
+            # Before any actor exists: Ray would queue the ones that do not fit, forever and silently.
+            admission = raycluster.admit(
+                f"reward.num_actors={self.num_actors}", {"CPU": cpus_per_actor}, self.num_actors,
+                "lower reward.num_actors or add nodes",
+                on_nodes_with=REWARD_NODE_RESOURCE if "resources" in options else None)
+            self._remote = ray.remote(**options)(_RewardActor)
+            self.actors = [self._new_actor(k) for k in range(self.num_actors)]
             self._wait_ready(range(self.num_actors), admission)  # an unknown reward name fails here, in the actors
         except BaseException:
             self.close()
