@@ -9,17 +9,18 @@ calibration), the unedited inputs (a copy of the source image: must succeed nowh
 
 ``--model M`` (an editing model, e.g. ``builtin:tiny-flux-kontext-shapes``) adds its edits of the same rows,
 sampled as the ``tiny-cpu-shape-edits`` preset's evaluation does (ODE, ``--steps``, ``--seeds`` seeds per
-row from the evaluation seed, CFG-free), and ``--lora DIR`` those of the model with a LoRA a run wrote (same
-seeds), with ``tuned_success_gain``: the gain in overall success and its 90 % paired bootstrap interval over
-the samples, within each category (``gain_interval``). ``--lora`` given several times (runs of one recipe at
-other training seeds) judges each LoRA (``tuned_1``, ``tuned_2``, ... with ``tuned_<i>_success_gain``) and adds
+row from the evaluation seed, CFG-free; ``--guidance G``: true CFG at scale G on the empty instruction), and
+``--lora DIR`` those of the model with a LoRA a run wrote (same seeds), with ``tuned_success_gain``: the gain in
+overall success and its 90 % paired bootstrap interval over the samples, within each category (``gain_interval``).
+``--lora`` given several times (runs of one recipe at other training seeds) judges each LoRA (``tuned_1``,
+``tuned_2``, ... with ``tuned_<i>_success_gain``) and adds
 ``pooled_success_gain``: the LoRAs' mean gain, its interval from the same paired bootstrap on each sample's
 success averaged over the LoRAs (so it speaks for these trained LoRAs on the held-out samples, not for a new
 training seed), and how many LoRAs gained. ``--grid PATH`` writes a PNG of the first ``--grid-rows`` samples,
 one column each, bands from top to bottom: input | expected target | model's edit | each tuned edit.
 
     python bench/shape_edits.py [--rows N] [--split test|train|all] [--seed S] [--test-fraction F]
-        [--model M [--lora DIR ...] [--steps T] [--seeds K] [--grid PATH]]
+        [--model M [--lora DIR ...] [--steps T] [--seeds K] [--guidance G] [--grid PATH]]
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def model_edits(args, rows: list[dict]) -> tuple[dict[str, np.ndarray], list[dic
     from diffusionrl.models import load_adapter
     from diffusionrl.rollout.local import LocalRolloutEngine
 
-    cfg = load_config("tiny-cpu-shape-edits", overrides=[f"model.name={args.model}", f"eval.num_steps={args.steps}"])
+    cfg = load_config("tiny-cpu-shape-edits", overrides=[f"model.name={args.model}", f"eval.num_steps={args.steps}",
+                                                        f"eval.guidance_scale={args.guidance}"])
     prompts, groups, seeds, metadata = eval_samples(rows, args.seeds, cfg.eval.seed)
     adapter = load_adapter(cfg.model, cfg.train.mixed_precision)
     transformers = {"model": adapter.transformer}
@@ -133,6 +135,9 @@ def main() -> None:
                         help="a LoRA folder a run wrote for --model: its edits too (repeat for several runs)")
     parser.add_argument("--steps", type=int, default=20, help="ODE steps of the model's edits")
     parser.add_argument("--seeds", type=int, default=1, help="samples per row")
+    parser.add_argument("--guidance", type=float, default=1.0,
+                        help="CFG scale of every model's edits (1: CFG-free; > 1 needs a model trained with "
+                             "instruction dropout, pretrain_edit --cfg-dropout)")
     parser.add_argument("--grid", default=None, help="PNG: input | target | model | tuned, one column per sample")
     parser.add_argument("--grid-rows", type=int, default=15, help="samples in the grid")
     args = parser.parse_args()
@@ -159,6 +164,7 @@ def main() -> None:
     lora = args.lora[0] if len(args.lora) == 1 else args.lora or None
     _common.emit({"source": cfg.source, "split": args.split, "rows": len(rows), "model": args.model,
                   "lora": lora, "steps": args.steps if args.model else None, "seeds": args.seeds,
+                  "guidance": args.guidance if args.model else None,
                   "rows_per_category": {c: sum(r["category"] == c for r in rows) for c in CATEGORIES}, **results})
 
 

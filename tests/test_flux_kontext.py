@@ -65,6 +65,42 @@ def test_ode_editing_equals_the_stock_kontext_pipeline(kontext, resolution):
     assert float((plain.latents[:, -1] - traj.latents[:, -1]).abs().max()) > 1e-3
 
 
+def test_a_kontext_model_without_a_guidance_embedding_takes_true_cfg_as_the_stock_pipeline():
+    """A Kontext transformer without a guidance embedding (the shapes edit model's, trained with instruction
+    dropout) samples with true CFG at ``guidance_scale > 1``: a second forward on the negative text beside the same
+    input image, as ``FluxKontextPipeline(true_cfg_scale=g, negative_prompt=...)``; at 1, one forward, as the
+    pipeline with ``true_cfg_scale=1``. The mix moves the edit, and an embedded-guidance model takes none."""
+    from diffusionrl.models.tiny_flux_shapes import build_kontext_shapes_pipeline
+
+    adapter = FluxKontextAdapter(build_kontext_shapes_pipeline(weights=None), device="cpu")
+    assert adapter.cfg_mode == "separate" and adapter.needs_negative(3.0) and not adapter.needs_negative(1.0)
+    assert adapter.pipeline_kwargs(3.0, ["", ""]) == {"true_cfg_scale": 3.0, "negative_prompt": ["", ""]}
+    assert adapter.pipeline_kwargs(1.0, ["", ""]) == {"true_cfg_scale": 1.0}
+    prompts, seeds, shape = ["make the square blue", "remove the square"], [3, 4], adapter.latent_shape(64)
+    source = scene("red", "square", 64)
+    engine = LocalRolloutEngine(adapter, adapter.transformer, micro_batch_size=2)
+    x0 = torch.stack([torch.randn((5, *shape), generator=torch.Generator().manual_seed(s))[0] for s in seeds])
+    ours = {}
+    for g in (1.0, 3.0):
+        spec = SamplingSpec(resolution=64, num_steps=4, guidance_scale=g, sde_type="ode", max_sequence_length=20)
+        ours[g] = engine.generate(prompts, [0, 1], seeds, spec, metadata=meta_of(source, source)).latents[:, -1]
+        stock = adapter.pipe(prompt=prompts, image=source, num_inference_steps=4, height=64, width=64, max_area=64**2,
+                             _auto_resize=False, max_sequence_length=20, latents=pack(x0), output_type="latent",
+                             **adapter.pipeline_kwargs(g, ["", ""])).images
+        diff = float((unpack(stock, *shape[1:]) - ours[g]).abs().max())
+        print(f"kontext true CFG {g:g}: max |stock - ours| = {diff:.3g}")
+        assert diff <= 1e-5, (g, diff)
+    assert float((ours[3.0] - ours[1.0]).abs().max()) > 1e-3
+    distilled = FluxKontextAdapter(build_tiny_flux_kontext_pipeline(), device="cpu")
+    assert distilled.cfg_mode == "embedded" and not distilled.needs_negative(3.5)
+    assert distilled.pipeline_kwargs(3.5, [""]) == {"guidance_scale": 3.5}
+    # a served model guides as the adapter samples: true CFG from the request's guidance_scale where it takes it
+    from diffusionrl.serving.request_pipelines import takes_true_cfg, true_cfg
+
+    assert takes_true_cfg(adapter.pipe) and not takes_true_cfg(distilled.pipe)
+    assert true_cfg({}, {"guidance_scale": 3.0, "negative_prompt": ""}) == adapter.pipeline_kwargs(3.0, "")
+
+
 def test_without_an_input_image_kontext_is_flux_and_a_text_to_image_model_refuses_images(kontext):
     flux = FluxAdapter(build_tiny_flux_pipeline())
     spec = SamplingSpec(resolution=32, num_steps=2, guidance_scale=3.5, sde_type="ode", max_sequence_length=16)

@@ -47,6 +47,37 @@ def test_two_steps_then_a_resume_equal_four_steps_bit_for_bit(tmp_path):
     assert torch.equal(components["transformer"].state_dict()["proj_out.weight"], b["proj_out.weight"])
 
 
+def test_every_instruction_with_dropout_draws_held_out_instructions_and_writes_a_loadable_folder(tmp_path):
+    """``--instructions all`` draws held-out instructions too (in other scenes than a run's held-out rows);
+    ``--cfg-dropout`` replaces a share of them by the empty one, which moves the loss; the metadata says so; a
+    state.pt of the other settings is refused; ``--folder`` is a model the edit preset loads."""
+    from diffusionrl.config import load_config
+    from diffusionrl.models import load_adapter
+
+    few = [*FEW[:2], *FEW[4:], "--bank", "150", "--steps", "2"]
+    plain = main(["--work", str(tmp_path / "p"), "--out", str(tmp_path / "p.safetensors"), "--instructions", "all",
+                  *few])
+    args = ["--work", str(tmp_path / "d"), "--out", str(tmp_path / "d.safetensors"), "--instructions", "all",
+            "--folder", str(tmp_path / "folder"), *few]
+    dropped = main(args + ["--cfg-dropout", "0.5"])
+    bank = torch.load(tmp_path / "d" / "bank.pt")
+    train, held_out = edit_splits(0.2, 0)
+    assert set(bank["texts"]) & held_out and set(bank["texts"]) & train
+    assert dropped["first_loss"] != plain["first_loss"]
+    with pytest.raises(SystemExit, match="other settings.*cfg_dropout"):
+        main(args + ["--cfg-dropout", "0.1"])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "d.safetensors"), "pt") as f:
+        meta = json.loads(f.metadata()["diffusionrl"])
+    assert meta["instructions"] == "all" and meta["cfg_dropout"] == 0.5
+    cfg = load_config("tiny-cpu-shape-edits", overrides=[f"model.name={tmp_path / 'folder'}", "model.device=cpu"])
+    adapter = load_adapter(cfg.model)
+    assert adapter.family == "flux-kontext" and adapter.cfg_mode == "separate"
+    assert torch.equal(adapter.transformer.state_dict()["proj_out.weight"],
+                       load_file(tmp_path / "d.safetensors")["proj_out.weight"])
+
+
 def test_the_builtin_reuses_the_shapes_model_and_loads_the_shipped_transformer():
     from diffusionrl.config import ModelConfig
     from diffusionrl.models import load_adapter

@@ -3,7 +3,10 @@
 What differs from SD3 (``models/sd3.py``), and where the adapter absorbs it:
 - Guidance-distilled: ``guidance_scale`` is an input of the transformer (its guidance embedding,
   FLUX.1-dev's default 3.5), not a CFG mix; there is no negative pass (``needs_negative`` is
-  False), so one forward per step. (diffusers' optional ``true_cfg_scale`` is not used.)
+  False), so one forward per step. A transformer without a guidance embedding (FLUX.1 [schnell], a
+  Kontext model trained with instruction dropout) takes true CFG instead, as the pipelines'
+  ``true_cfg_scale`` with a ``negative_prompt``: at ``guidance_scale > 1`` a second forward on the negative
+  text (the input image's tokens on both sides), mixed ``v_neg + g (v - v_neg)``; at ``<= 1`` none.
 - Packed latents (``models/packed.py``, shared with Qwen-Image): the transformer takes 2x2 patches
   of the 16-channel VAE latent as 64-channel tokens ``[B, (H/2)(W/2), 64]`` with position ids
   (``img_ids``: row/column per token, ``txt_ids``: zeros per text token) for its RoPE.
@@ -45,7 +48,6 @@ class FluxAdapter(PackedLatents, FlowAdapter):
     builtin = TINY_FLUX_REF
     components = ("transformer", "vae", "text_encoder", "text_encoder_2")
     pipeline_logger = "diffusers.pipelines.flux.pipeline_flux"
-    cfg_mode = "embedded"  # guidance-distilled: the scale is an input of the transformer, no CFG pass
     # flow_grpo's scripts/train_flux.py: both streams' attention projections and feed-forwards of the
     # double-stream blocks (the single-stream blocks' attn.to_q/k/v match by suffix too).
     default_lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
@@ -55,6 +57,24 @@ class FluxAdapter(PackedLatents, FlowAdapter):
     @staticmethod
     def build_tiny():
         return build_tiny_flux_pipeline()
+
+    @property
+    def cfg_mode(self) -> str:
+        """``embedded`` (guidance-distilled: the scale is an input of the transformer, no CFG pass) or, for a
+        transformer without a guidance embedding, ``separate`` (true CFG: one forward per side, as the pipeline).
+        A stub adapter with no transformer (the fit planner's) is FLUX.1 [dev]'s: embedded."""
+        config = getattr(self.transformer, "config", None)
+        return "separate" if config is not None and not config.guidance_embeds else "embedded"
+
+    def needs_negative(self, guidance_scale: float) -> bool:
+        return self.cfg_mode == "separate" and guidance_scale > 1.0  # the pipeline's do_true_cfg
+
+    def pipeline_kwargs(self, guidance_scale: float, negative_prompt) -> dict:
+        if self.cfg_mode == "embedded":
+            return {"guidance_scale": guidance_scale}
+        if self.needs_negative(guidance_scale):
+            return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt}
+        return {"true_cfg_scale": 1.0}
 
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
         embeds, pooled, _ = self.pipe.encode_prompt(

@@ -5,9 +5,12 @@ its FLUX transformer trains. Seeded and resumable as ``models/pretrain.py`` (``-
 ``state.pt``, written every ``--save-every`` steps and when the process is told to stop; a re-run with the
 same ``--work`` continues where it stopped, bit for bit), ``curves.jsonl`` and ``summary.json`` alike.
 
-1. The bank: ``--bank`` edit examples (``data.shape_edits``) whose instructions are all of the training
-   split of ``--test-fraction``/``--split-seed`` (a run's ``data.test_fraction``/``data.seed``: its held-out
-   instructions are never drawn), drawn as row stream ``BANK_SPLIT`` (not the rows a run trains on). Their
+1. The bank: ``--bank`` edit examples (``data.shape_edits``) drawn as row stream ``BANK_SPLIT`` (neither the
+   rows a run trains on nor those it holds out). ``--instructions train`` (the shipped model's) draws only the
+   training split's instructions of ``--test-fraction``/``--split-seed`` (a run's ``data.test_fraction``/
+   ``data.seed``: a held-out instruction is never drawn, so every held-out edit is one the base never made);
+   ``--instructions all`` draws every instruction of the world, held-out ones included, in other scenes than
+   the held-out rows' (GenEval's split: the base has made edits of every kind, RL trains on some). Their
    source scenes and drawn target scenes are VAE-encoded by ``FluxKontextAdapter.encode_references`` (the
    posterior's mode, shifted and scaled), their instructions by the adapter's ``encode_prompts``
    (``MAX_SEQUENCE_LENGTH`` T5 tokens), once, cached in ``--work``.
@@ -15,8 +18,11 @@ same ``--work`` continues where it stopped, bit for bit), ``curves.jsonl`` and `
    ``e - x_0``, ``s`` logit-normal) conditioned on the instruction and the source's reference latents, through
    ``FluxKontextAdapter.velocity``: the very forward sampling and RL use (reference tokens after the noisy
    ones, first id coordinate 1; the loss on the noisy tokens' output). The transformer has no guidance
-   embedding and a run samples it CFG-free (the FLUX adapter makes no CFG pass), so no conditioning is
-   dropped. The exported weights are the EMA (``--ema``) of the transformer's.
+   embedding; a ``--cfg-dropout`` share of the instructions is replaced by the empty one (the source image
+   stays), so that classifier-free guidance on the instruction exists (the Kontext adapter's true-CFG pass,
+   ``models/flux_kontext.py``); at 0 (the shipped model's) it samples CFG-free only. The exported weights are
+   the EMA (``--ema``) of the transformer's; ``--folder`` also writes them as a diffusers folder, which the
+   edit preset loads with ``--set model.name=FOLDER``.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ from .tiny_shapes import SCHEDULER_SHIFT
 log = logging.getLogger("diffusionrl.pretrain_edit")
 BANK_SPLIT = 2  # edit_rows' stream: a run draws its training rows from 0 and its held-out rows from 1
 RESOLUTION = 64
-FIXED = ("seed", "batch", "lr", "bank", "ema", "test_fraction", "split_seed", "double", "single", "heads")
+FIXED = ("seed", "batch", "lr", "bank", "ema", "test_fraction", "split_seed", "double", "single", "heads",
+         "instructions", "cfg_dropout")
+DEFAULTS = {"instructions": "train", "cfg_dropout": 0.0}  # what a state.pt that records none was written with
 
 
 def source_image(row: dict) -> np.ndarray:
@@ -87,6 +95,7 @@ class EditPretrainer(Checkpointed):
         if not path.is_file():
             return
         saved = torch.load(path, weights_only=False)
+        saved["args"] = {**DEFAULTS, **saved["args"]}
         missing = [k for k in FIXED if k not in saved["args"]]
         if missing:
             raise SystemExit(f"{path} records no {', '.join(missing)}, settings a --work binds; use another --work")
@@ -116,8 +125,9 @@ class EditPretrainer(Checkpointed):
         path = self.work / "bank.pt"
         if path.is_file():
             return torch.load(path)
-        train_texts, _ = edit_splits(a.test_fraction, a.split_seed)
-        rows = edit_rows(a.bank, train_texts, a.seed, BANK_SPLIT, RESOLUTION)
+        train_texts, test_texts = edit_splits(a.test_fraction, a.split_seed)
+        texts = train_texts | test_texts if a.instructions == "all" else train_texts
+        rows = edit_rows(a.bank, texts, a.seed, BANK_SPLIT, RESOLUTION)
         enc = self.adapter.encode_references
         unique = sorted({r["prompt"] for r in rows})
         cond = self.adapter.encode_prompts(unique, None, MAX_SEQUENCE_LENGTH)
@@ -139,9 +149,22 @@ class EditPretrainer(Checkpointed):
         x0, text = bank["target"][pick], bank["text"][pick]
         sigma = torch.sigmoid(torch.randn(a.batch, generator=gen)).view(-1, 1, 1, 1)
         noise = torch.randn(x0.shape, generator=gen)
-        cond = Conditioning(bank["embeds"][text], bank["pooled"][text], image_latents=bank["source"][pick])
+        embeds, pooled = bank["embeds"][text], bank["pooled"][text]
+        if a.cfg_dropout:  # drawn after the rest, so that a run without dropout draws as before
+            drop = torch.rand(a.batch, generator=gen) < a.cfg_dropout
+            empty = self.empty_instruction()
+            embeds = torch.where(drop.view(-1, 1, 1), empty.prompt_embeds, embeds)
+            pooled = torch.where(drop.view(-1, 1), empty.pooled_embeds, pooled)
+        cond = Conditioning(embeds, pooled, image_latents=bank["source"][pick])
         v = self.adapter.velocity(self.transformer, (1 - sigma) * x0 + sigma * noise, sigma.view(-1) * 1000, cond, 1.0)
         return torch.nn.functional.mse_loss(v, noise - x0)
+
+    @torch.no_grad()
+    def empty_instruction(self):
+        """The empty instruction's embeddings (the unconditional side of CFG), encoded once."""
+        if not hasattr(self, "_empty"):
+            self._empty = self.adapter.encode_prompts([""], None, MAX_SEQUENCE_LENGTH)
+        return self._empty
 
     def train(self) -> None:
         a = self.args
@@ -175,8 +198,11 @@ class EditPretrainer(Checkpointed):
         tensors = {k: ema.get(id(params.get(k)), v).detach().contiguous().clone()
                    for k, v in self.transformer.state_dict().items()}
         out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"scheduler_shift": self.args.scheduler_shift, "transformer": architecture(self.args)}
+        meta = {"scheduler_shift": self.args.scheduler_shift, "transformer": architecture(self.args),
+                "instructions": self.args.instructions, "cfg_dropout": self.args.cfg_dropout}
         save_file(tensors, str(out), metadata={"diffusionrl": json.dumps(meta, sort_keys=True)})
+        if self.args.folder:  # a diffusers folder of the exported model, for model.name
+            build_kontext_shapes_pipeline(weights=out).save_pretrained(self.args.folder)
         tail, losses = self.args.log_every, self.state["losses"] or [np.nan]
         summary = {"wall_s": round(self.state["wall_s"], 1), "steps": self.state["step"], "batch": self.args.batch,
                    "seed": self.args.seed, "bank": self.args.bank, "first_loss": float(np.mean(losses[:tail])),
@@ -190,11 +216,17 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="runs/pretrain-edit", help="state, bank, curves and summary (resumed if present)")
     ap.add_argument("--out", default=str(KONTEXT_SHAPES_WEIGHTS), help="where the weights go (safetensors)")
+    ap.add_argument("--folder", default="",
+                    help="also write the exported model as a diffusers folder here (for model.name)")
     ap.add_argument("--steps", type=int, default=8000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bank", type=int, default=16384, help="encoded training edits the transformer learns from")
     ap.add_argument("--ema", type=float, default=0.995, help="EMA decay of the exported transformer")
+    ap.add_argument("--instructions", choices=("train", "all"), default="train",
+                    help="train: only the training split's instructions; all: every instruction of the world")
+    ap.add_argument("--cfg-dropout", type=float, default=0.0,
+                    help="share of empty instructions (0: no unconditional side, CFG-free only)")
     ap.add_argument("--double", type=int, default=2, help="double-stream blocks")
     ap.add_argument("--single", type=int, default=4, help="single-stream blocks")
     ap.add_argument("--heads", type=int, default=4, help="attention heads of 32 features (width 32 x heads)")

@@ -34,9 +34,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 try:  # as diffusionrl.serving.request_limits, or as the model's code/ (top-level modules, shipped together)
-    from .request_pipelines import IMAGE_REQUIRED, TRUE_CFG, area_bound_call, png, reference_size, true_cfg
+    from .request_pipelines import IMAGE_REQUIRED, area_bound_call, png, reference_size, takes_true_cfg, true_cfg
 except ImportError:
-    from request_pipelines import IMAGE_REQUIRED, TRUE_CFG, area_bound_call, png, reference_size, true_cfg
+    from request_pipelines import IMAGE_REQUIRED, area_bound_call, png, reference_size, takes_true_cfg, true_cfg
 
 LOADER_MODULE = "request_limits"  # the image model's pyfunc loader: this file, as the model's code/
 MAX_PROMPTS = 64  # prompts per request
@@ -286,7 +286,7 @@ class BoundedDiffusers:
         kwargs = {k: params[k] for k in GENERATION_PARAMS if k in params and params[k] != ""}
         if self.max_sequence_length and SEQ_LEN in inspect.signature(pipeline.__call__).parameters:
             kwargs[SEQ_LEN] = int(self.max_sequence_length)
-        return true_cfg(kwargs, params) if type(pipeline).__name__ in TRUE_CFG else kwargs
+        return true_cfg(kwargs, params) if takes_true_cfg(pipeline) else kwargs
 
     def generate(self, pipeline, prompts: list[str], params: dict[str, Any]) -> list[bytes]:
         """Text to image, PNG bytes per prompt: one pipeline call for the batch, as MLflow's wrapper makes it, at

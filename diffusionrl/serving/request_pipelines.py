@@ -21,9 +21,11 @@ def reference_size(height: int, width: int, area: int, multiple: int = 16) -> tu
 
 # Pipelines that only edit: their ``__call__`` reads the input image's size first (no prompt-only generation).
 IMAGE_REQUIRED = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
-# Pipelines whose guidance is true CFG (``true_cfg_scale``; FLUX.1 Kontext takes one too, besides its distilled
-# ``guidance_scale``, which is what its adapter samples with)
+# Pipelines whose guidance is true CFG (``true_cfg_scale``)
 TRUE_CFG = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+# FLUX.1's pipelines take a ``true_cfg_scale`` too, besides the distilled ``guidance_scale``: it is their guidance
+# where the transformer has no guidance embedding (FLUX.1 [schnell], the shapes edit model), as the adapter samples
+FLUX_TRUE_CFG = ("FluxPipeline", "FluxKontextPipeline")
 VAE_AREA = "VAE_IMAGE_SIZE"  # QwenImageEditPlusPipeline's module constant: the area its input image is encoded at
 # QwenImageEditPipeline's size rule: its __call__ calls it once, as calculate_dimensions(1024 * 1024, aspect), for
 # the size its input image is resized to (the VL encoder and the VAE both take that image)
@@ -63,8 +65,18 @@ def area_bound_call(pipeline, area: int):
     return functools.partial(torch.no_grad()(call), pipeline)
 
 
+def takes_true_cfg(pipeline) -> bool:
+    """Whether ``pipeline`` guides by true CFG (``TRUE_CFG``, or a ``FLUX_TRUE_CFG`` one without a guidance
+    embedding), so that ``true_cfg`` maps the request's guidance."""
+    name = type(pipeline).__name__
+    if name in TRUE_CFG:
+        return True
+    config = getattr(getattr(pipeline, "transformer", None), "config", None)
+    return name in FLUX_TRUE_CFG and config is not None and not config.get("guidance_embeds", True)
+
+
 def true_cfg(kwargs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The guidance arguments of a true-CFG pipeline (``TRUE_CFG``: Qwen-Image's ``true_cfg_scale``; its
+    """The guidance arguments of a true-CFG pipeline (``takes_true_cfg``: Qwen-Image's ``true_cfg_scale``; its
     ``guidance_scale`` is a guidance-distilled model's, which it ignores): the ``guidance_scale`` param as
     ``true_cfg_scale``, and above 1 the ``negative_prompt`` param as it is, "" included (the pipeline guides
     only when given a negative prompt; the adapter always gives one: ``QwenImageAdapter.pipeline_kwargs``)."""
