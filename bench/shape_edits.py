@@ -1,10 +1,10 @@
 """The shape-edit task judged by the strict ``shape_edit`` judge, per category: baselines, and a model's edits.
 
-Loads ``builtin:shape-edits:N`` (``--rows`` training rows; the held-out rows in proportion to
-``--test-fraction``, as a run would), judges each baseline on the ``--split`` rows and prints one
-JSON line: per baseline, success (exact), the partial-credit score and ``unchanged`` (the objects
-the edit leaves alone found in place) per category and overall (the mean of the categories, as
-GenEval's overall). The baselines: the expected targets (must score 1.0 everywhere: the judge's
+Loads ``builtin:shape-edits:N`` (``--rows`` training rows; the held-out rows in proportion to ``--test-fraction``,
+as a run would), judges each baseline on the ``--split`` rows and prints one JSON line: per baseline, success
+(exact), the partial-credit score and ``unchanged`` (the objects the edit leaves alone found in place) per
+category and overall (the mean of the categories, as GenEval's overall), and the share of rows with a success
+among their samples. The baselines: the expected targets (must score 1.0 everywhere: the judge's
 calibration), the unedited inputs (a copy of the source image: must succeed nowhere) and a blank picture.
 
 ``--model M`` (an editing model, e.g. ``builtin:tiny-flux-kontext-shapes``) adds its edits of the same rows,
@@ -66,7 +66,12 @@ def judged(images: np.ndarray, rows: list[dict], result=None) -> dict:
     per = {c: {k: round(float(v[categories == c].mean()), 4) for k, v in values.items()}
            for c in CATEGORIES if np.any(categories == c)}
     overall = {k: round(float(np.mean([p[k] for p in per.values()])), 4) for k in values}
-    return {"overall": overall, "per_category": per, "failures": result.failures}
+    # the rows (a row's samples share its dict) of which at least one sample succeeds
+    found: dict[int, bool] = {}
+    for row, ok in zip(rows, values["success"]):
+        found[id(row)] = found.get(id(row), False) or bool(ok)
+    return {"overall": overall, "per_category": per, "failures": result.failures,
+            "rows_with_a_success": round(sum(found.values()) / len(found), 4)}
 
 
 def gain_interval(base: np.ndarray, tuned: np.ndarray, rows: list[dict], resamples: int = 2000) -> dict:

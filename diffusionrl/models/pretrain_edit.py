@@ -83,6 +83,7 @@ class EditPretrainer(Checkpointed):
         self.opt = torch.optim.AdamW(self.transformer.parameters(), lr=args.lr, weight_decay=0.0)
         self.state = {"step": 0, "wall_s": 0.0, "losses": []}
         self.stop = False
+        self._empty = None  # the empty instruction's embeddings, once --cfg-dropout needs them
         self.t0 = time.perf_counter()
         self._load()
 
@@ -162,7 +163,7 @@ class EditPretrainer(Checkpointed):
     @torch.no_grad()
     def empty_instruction(self):
         """The empty instruction's embeddings (the unconditional side of CFG), encoded once."""
-        if not hasattr(self, "_empty"):
+        if self._empty is None:
             self._empty = self.adapter.encode_prompts([""], None, MAX_SEQUENCE_LENGTH)
         return self._empty
 
