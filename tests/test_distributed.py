@@ -234,8 +234,13 @@ def test_every_objective_on_two_ranks_resumes_bitwise_and_steps_as_one_process(r
             one.train_step(trainer, traj, active, 0)
             mine = policy.lora_state()
             assert any(not torch.equal(mine[k], start[k]) for k in mine), name
+            # AdamW's first step moves a weight by about lr * g / (|g| + eps): where a gradient is within fp32
+            # rounding of zero (summed over two ranks in another order), its step is not fixed to better than
+            # ~1e-4 of lr (DPO: 2.1e-6 at lr 1e-2 on one CPU). The gradients are compared to 1e-5 of their norm in
+            # test_fsdp_ranks_give_one_process_gradient_for_every_objective; a wrong one moves weights by ~lr.
+            atol = 1e-3 * cfg.train.learning_rate
             for k, t in mine.items():
-                assert torch.allclose(first[k], t, rtol=1e-4, atol=1e-6), (name, k)
+                assert torch.allclose(first[k], t, rtol=1e-4, atol=atol), (name, k, float((first[k] - t).abs().max()))
     finally:
         for r in ranks:
             ray.kill(r)
