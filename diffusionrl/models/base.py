@@ -214,6 +214,14 @@ class FlowAdapter(LoraTargets):
             kwargs["negative_prompt"] = negative_prompt
         return kwargs
 
+    def true_cfg_kwargs(self, guidance_scale: float, negative_prompt: str | list[str]) -> dict:
+        """``pipeline_kwargs`` of a pipeline whose guidance is ``true_cfg_scale`` (Qwen-Image's; FLUX.1's without a
+        guidance embedding): the scale, and where ``needs_negative`` the negative prompt, without which the
+        pipeline would not guide."""
+        if self.needs_negative(guidance_scale):
+            return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt}
+        return {"true_cfg_scale": 1.0}
+
     # -- text -----------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(

@@ -71,10 +71,8 @@ class FluxAdapter(PackedLatents, FlowAdapter):
 
     def pipeline_kwargs(self, guidance_scale: float, negative_prompt) -> dict:
         if self.cfg_mode == "embedded":
-            return {"guidance_scale": guidance_scale}
-        if self.needs_negative(guidance_scale):
-            return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt}
-        return {"true_cfg_scale": 1.0}
+            return super().pipeline_kwargs(guidance_scale, negative_prompt)  # the scale alone: no negative pass
+        return self.true_cfg_kwargs(guidance_scale, negative_prompt)
 
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
         embeds, pooled, _ = self.pipe.encode_prompt(

@@ -59,9 +59,7 @@ class QwenImageAdapter(PackedLatents, FlowAdapter):
         return guidance_scale > 1.0  # the pipeline's do_true_cfg (with a negative prompt, which we always give)
 
     def pipeline_kwargs(self, guidance_scale: float, negative_prompt) -> dict:
-        if self.needs_negative(guidance_scale):
-            return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt}
-        return {"true_cfg_scale": 1.0}
+        return self.true_cfg_kwargs(guidance_scale, negative_prompt)
 
     def _encode(self, texts: list[str], max_sequence_length: int) -> tuple:
         embeds, mask = self.pipe.encode_prompt(prompt=texts, device=self.device,
