@@ -56,26 +56,6 @@ def dtype_kwargs(dtype: torch.dtype) -> dict:
     return {"dtype": dtype}
 
 
-@contextlib.contextmanager
-def no_progress_bars():
-    """Inside: diffusers' and transformers' own tqdm bars are off ("Loading pipeline components",
-    "Loading weights", "Writing model shards"): several bars per load or save, on every run, for
-    steps that take milliseconds with the tiny models and say nothing a log line would not. Hub
-    downloads (huggingface_hub's bars) keep theirs. The previous settings come back on exit."""
-    import diffusers.utils.logging as diffusers_logging
-    import transformers.utils.logging as transformers_logging
-
-    was = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
-    for m, _ in was:
-        m.disable_progress_bar()
-    try:
-        yield
-    finally:
-        for m, enabled in was:
-            if enabled:
-                m.enable_progress_bar()
-
-
 def module_digest(modules: dict[str, torch.nn.Module]) -> str:
     """sha256 over every named tensor (name, dtype, shape, bytes) of the given modules."""
     h = hashlib.sha256()

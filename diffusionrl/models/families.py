@@ -26,13 +26,14 @@ import torch
 from diffusionrl.errors import UserError
 from diffusionrl.hub import hf_token
 
-from .base import DTYPES, FlowAdapter, dtype_kwargs, no_progress_bars, resolve_device
+from .base import DTYPES, FlowAdapter, dtype_kwargs, resolve_device
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter
 from .qwen_image import QwenImageAdapter
 from .qwen_image_edit import QwenImageEditAdapter, QwenImageEditV1Adapter
 from .sd3 import SD3Adapter
+from .truncation import no_progress_bars
 from .wan import WanAdapter
 from .zimage import ZImageAdapter
 

@@ -226,7 +226,7 @@ def build_tiny_sd3_pipeline():
 def save_tiny_sd3(directory: str | Path) -> Path:
     """Write ``builtin:tiny-sd3`` as a diffusers folder (safetensors weights, JSON configs)."""
     directory = Path(directory)
-    from .base import no_progress_bars
+    from .truncation import no_progress_bars
 
     with no_progress_bars():
         build_tiny_sd3_pipeline().save_pretrained(directory, safe_serialization=True)

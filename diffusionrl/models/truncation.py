@@ -1,4 +1,5 @@
-"""Quieting the libraries' per-call prompt-truncation warnings while an adapter encodes.
+"""Quieting the libraries while an adapter loads (``no_progress_bars``) and encodes (their per-call
+prompt-truncation warnings).
 
 diffusers warns on every ``encode_prompt`` call that truncates a prompt, quoting the whole cut-off
 text (and transformers once per tokenizer); the adapter drops those records while it encodes and
@@ -40,3 +41,23 @@ def truncation_warnings_dropped(pipeline_logger: str):
     finally:
         for name, quiet in filters.items():
             logging.getLogger(name).removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """Inside: diffusers' and transformers' own tqdm bars are off ("Loading pipeline components",
+    "Loading weights", "Writing model shards"): several bars per load or save, on every run, for
+    steps that take milliseconds with the tiny models and say nothing a log line would not. Hub
+    downloads (huggingface_hub's bars) keep theirs. The previous settings come back on exit."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    was = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
+    for m, _ in was:
+        m.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for m, enabled in was:
+            if enabled:
+                m.enable_progress_bar()

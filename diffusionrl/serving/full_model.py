@@ -36,7 +36,8 @@ class TunedPipeline:
             import torch
             from diffusers import DiffusionPipeline
 
-            from diffusionrl.models.base import dtype_kwargs, hf_token, no_progress_bars
+            from diffusionrl.models.base import dtype_kwargs, hf_token
+            from diffusionrl.models.truncation import no_progress_bars
 
             s = self.settings
             with no_progress_bars():

@@ -35,7 +35,8 @@ class VideoLoraModel(mlflow.pyfunc.PythonModel):
         import torch
         from diffusers import DiffusionPipeline
 
-        from diffusionrl.models.base import dtype_kwargs, hf_token, no_progress_bars
+        from diffusionrl.models.base import dtype_kwargs, hf_token
+        from diffusionrl.models.truncation import no_progress_bars
 
         self.settings = json.loads(Path(context.artifacts["settings"]).read_text())
         s = self.settings
