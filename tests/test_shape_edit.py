@@ -13,7 +13,7 @@ from diffusionrl.data import PromptDataError, load_prompts, rows_digest
 from diffusionrl.data.shape_edits import CATEGORIES, MIN_MOVE, all_edits, generate_edit_prompts, instruction_of, resolve
 from diffusionrl.data.shapes import COLORS, SHAPES, apart, draw_scene, object_box, relations
 from diffusionrl.rewards import build_reward, prompt_validator
-from diffusionrl.rewards.shape_edit import judge_edit
+from diffusionrl.rewards.shape_edit import judge_edit, judge_edit_made
 from tests.test_geneval_mini import _blob_sheet
 
 SOURCE = "builtin:shape-edits:60"
@@ -212,3 +212,58 @@ def test_one_fixed_picture_succeeds_only_where_it_is_the_target():
         same = [r["target"] == picture_row["target"] for r in rows]
         assert result.per_sample["success"].tolist() == [float(s) for s in same]
         assert result.scores.mean() < 0.2
+
+
+def _made(images, rows):
+    reward = build_reward("shape_edit_made", RewardConfig(weights={"shape_edit_made": 1.0}))
+    return reward(np.stack(images), [r["prompt"] for r in rows], [{k: v for k, v in r.items() if k != "prompt"}
+                                                                   for r in rows])
+
+
+def test_the_gated_credit_pays_an_unedited_copy_nothing_and_a_made_edit_its_partial_credit():
+    rows = list(_rows())
+    copies = [_source_image(r) for r in rows]
+    assert _score(copies, rows).scores.mean() > 0.5  # shape_edit pays the copy for what it leaves alone ...
+    copy = _made(copies, rows)  # ... shape_edit_made pays it nothing, in every category
+    assert copy.failures == 0 and np.all(copy.scores == 0.0) and np.all(copy.per_sample["made"] == 0.0)
+    target = _made([_target_image(r) for r in rows], rows)
+    assert np.all(target.scores == 1.0) and np.all(target.per_sample["made"] == 1.0)
+    assert np.all(_made([np.full((64, 64, 3), 255, np.uint8)] * len(rows), rows).scores == 0.0)
+    check = prompt_validator(RewardConfig(weights={"shape_edit_made": 1.0}))
+    check(rows[:3], "edits")
+    with pytest.raises(ValueError, match=r"edits row 2: the shape_edit_made reward needs shape-edit rows"):
+        check([rows[0], {k: v for k, v in rows[1].items() if k != "source"}], "edits")
+    # the edit made, a bystander dragged off its place: made, with the partial credit it has under shape_edit
+    dragged, checked = [], []
+    for row in rows:
+        target = _scene(row)
+        anchors = (target["relation"] or {}).values()  # an anchor dragged away may break the relation
+        still = [k for k, o in enumerate(target["objects"]) if not o["edited"] and k not in anchors]
+        for k in still:
+            o = target["objects"][k]
+            moved = {**o, "cx": o["cx"] + 14} if o["cx"] + 14 < 64 - o["r"] else {**o, "cx": o["cx"] - 14}
+            if all(apart(moved, p, 64) for m, p in enumerate(target["objects"]) if m != k):
+                dragged.append(draw_scene([moved if m == k else p for m, p in enumerate(target["objects"])], 64))
+                checked.append(row)
+                break
+    assert len(checked) >= 40
+    plain, gated = _score(dragged, checked), _made(dragged, checked)
+    assert np.all(gated.per_sample["made"] == 1.0) and np.all(gated.per_sample["success"] == 0.0)
+    np.testing.assert_allclose(gated.scores, plain.scores)
+    assert np.all((0.0 < gated.scores) & (gated.scores < 1.0))
+
+
+def test_a_removal_is_made_only_when_the_named_object_is_gone():
+    removals = [r for r in _rows() if r["category"] == "remove"]
+    for row in removals:
+        source, target = _scene(row, "source")["objects"], _scene(row)["objects"]
+        plain = [{k: o[k] for k in ("shape", "color", "cx", "cy", "r")} for o in target]
+        gone = next(o for o in source if o not in plain)
+        wrong = [o for o in source if o != plain[0]]  # another object removed instead
+        assert judge_edit_made(draw_scene(wrong, 64), _scene(row), source=_scene(row, "source"))[3] is False
+        elsewhere = {**gone, "cx": 64 - gone["cx"], "cy": 64 - gone["cy"]}  # "removed" by moving it away
+        if all(apart(elsewhere, o, 64) for o in plain):
+            kept = draw_scene(plain + [elsewhere], 64)
+            assert judge_edit_made(kept, _scene(row), source=_scene(row, "source"))[3] is False, row["prompt"]
+        assert judge_edit_made(draw_scene(plain, 64), _scene(row), source=_scene(row, "source"))[3] is True
+    assert len(removals) >= 10

@@ -18,8 +18,17 @@ rest of the scene unchanged. The unedited source image scores below 1 for every 
 replaced, removed, added or moved object is wrong, missing, extra or in the wrong relation). Boxes
 are compared in the target's coordinates scaled to the image, so an edit at another resolution is
 judged the same. ``RewardResult.per_sample`` carries ``success``, ``unchanged`` (1 when every object
-the edit leaves alone is found right and in place), ``objects`` and ``blobs``; ``info`` the batch's
-``accuracy``.
+the edit leaves alone is found right and in place), ``made`` (1 when the edit itself is made: the edited
+object found at full worth, or for a removal no object of the removed one's shape and colour found),
+``objects`` and ``blobs``; ``info`` the batch's ``accuracy``.
+
+``shape_edit_made`` scores ``made * score``: the same partial credit, paid only when the edit is made.
+Under ``shape_edit`` an unedited copy of the input keeps the credit of every object it leaves alone
+(0.63 on average, above most wrong edits), so a policy can raise that reward by editing less; under
+``shape_edit_made`` a copy scores 0, and the order among made edits is the partial credit's. (Subtracting
+the copy's score instead would change nothing: it is one number per row, and group-normalised advantages
+do not see a per-row shift.) This is the gate of VIEScore's semantic consistency, min(instruction
+followed, nothing over-edited), with the instruction judged as done or not.
 """
 
 from __future__ import annotations
@@ -67,6 +76,15 @@ def _worth(obj: dict, box: tuple[float, ...], found: Detection, side: int) -> fl
 def judge_edit(image: np.ndarray, target: dict, detections: list[Detection] | None = None) -> tuple[bool, float, bool]:
     """``(success, score, unchanged)`` of the edited ``image`` against the ``target`` scene (see the
     module docstring)."""
+    return judge_edit_made(image, target, detections)[:3]
+
+
+def judge_edit_made(image: np.ndarray, target: dict, detections: list[Detection] | None = None,
+                    source: dict | None = None) -> tuple[bool, float, bool, bool]:
+    """``judge_edit``'s values and ``made``: whether the edit itself is made (the target's edited object
+    matched at full worth; for a removal, which leaves no edited object, no object found with the shape and
+    colour of the ``source`` object the target lacks, wherever it is; without ``source`` a removal is made
+    when the picture is a success)."""
     from scipy.optimize import linear_sum_assignment
 
     found = detect(image) if detections is None else detections
@@ -76,23 +94,34 @@ def judge_edit(image: np.ndarray, target: dict, detections: list[Detection] | No
              for x0, y0, x1, y1 in (object_box(o) for o in expected)]
     side = max(image.shape[0], image.shape[1])
     got = np.zeros(len(expected))
-    match: dict[int, Detection] = {}
+    match: dict[int, int] = {}
     if expected and found:
         worth = np.array([[_worth(o, b, d, side) for d in found] for o, b in zip(expected, boxes)])
         rows, cols = linear_sum_assignment(worth, maximize=True)
         for r, c in zip(rows, cols):
             if worth[r, c] > 0:
-                got[r], match[int(r)] = worth[r, c], found[c]
+                got[r], match[int(r)] = worth[r, c], int(c)
     rel = target.get("relation")
     if rel and rel["a"] in match:
         anchor = match.get(rel["b"])
-        if anchor is None or rel["rel"] not in relations(match[rel["a"]].box, anchor.box):
+        if anchor is None or rel["rel"] not in relations(found[match[rel["a"]]].box, found[anchor].box):
             got[rel["a"]] *= 0.5
     matched = float(got.sum())
     total = len(expected) + len(found) - matched
     score = matched / total if total > 0 else 0.0
     unchanged = all(got[k] == 1.0 for k, o in enumerate(expected) if not o.get("edited"))
-    return score >= 1.0 - 1e-9, float(score), unchanged
+    success = score >= 1.0 - 1e-9
+    edited = [k for k, o in enumerate(expected) if o.get("edited")]
+    if edited:
+        made = all(got[k] == 1.0 for k in edited)
+    elif source is not None:
+        kept = {(o["shape"], o["color"], o["cx"], o["cy"]) for o in expected}
+        gone = [o for o in source["objects"] if (o["shape"], o["color"], o["cx"], o["cy"]) not in kept]
+        # the instruction named it uniquely, so no object the target keeps has its shape and colour
+        made = not any(d.shape == o["shape"] and d.color == o["color"] for o in gone for d in found)
+    else:
+        made = success
+    return success, float(score), unchanged, made
 
 
 @register_reward("shape_edit")
@@ -101,13 +130,27 @@ class ShapeEdit(SceneJudge):
 
     name = "shape_edit"
     rows = "shape-edit rows with source and target scenes (data.source=builtin:shape-edits)"
-    extra = ("unchanged",)
+    extra = ("unchanged", "made")
 
     @classmethod
-    def parse(cls, meta: dict) -> dict:
-        parse_scene(meta, "source")
-        return parse_scene(meta, "target")
+    def parse(cls, meta: dict) -> tuple[dict, dict]:
+        return parse_scene(meta, "source"), parse_scene(meta, "target")
 
-    def judge_one(self, image, target, found):
-        ok, score, unchanged = judge_edit(image, target, found)
-        return ok, score, {"unchanged": unchanged}
+    def judge_one(self, image, scenes, found):
+        ok, score, unchanged, made = judge_edit_made(image, scenes[1], found, scenes[0])
+        return ok, self.credit(score, made), {"unchanged": unchanged, "made": made}
+
+    @staticmethod
+    def credit(score: float, made: bool) -> float:
+        return score
+
+
+@register_reward("shape_edit_made")
+class ShapeEditMade(ShapeEdit):
+    """``shape_edit``'s partial credit where the edit is made, else 0: an unedited copy earns nothing."""
+
+    name = "shape_edit_made"
+
+    @staticmethod
+    def credit(score: float, made: bool) -> float:
+        return score if made else 0.0
