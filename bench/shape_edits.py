@@ -3,10 +3,11 @@
 Loads ``builtin:shape-edits:N`` (``--rows`` training rows; the held-out rows in proportion to ``--test-fraction``,
 as a run would), judges each baseline on the ``--split`` rows and prints one JSON line: per baseline, success
 (exact), the partial-credit score, ``unchanged`` (the objects the edit leaves alone found in place), ``made``
-(the edit itself made) and ``made_score`` (the score where the edit is made, else 0: ``shape_edit_made``) per
-category and overall (the mean of the categories, as GenEval's overall), and the share of rows with a success
-among their samples. The baselines: the expected targets (must score 1.0 everywhere: the judge's
-calibration), the unedited inputs (a copy of the source image: must succeed nowhere) and a blank picture.
+(the edit itself made) and ``gated_score`` (the score where the edit is made and the rest unchanged, else 0:
+``shape_edit_gated``) per category and overall (the mean of the categories, as GenEval's overall), and the
+share of rows with a success among their samples. The baselines: the expected targets (must score 1.0
+everywhere: the judge's calibration), the unedited inputs (a copy of the source image: must succeed nowhere) and
+a blank picture.
 
 ``--model M`` (an editing model, e.g. ``builtin:tiny-flux-kontext-shapes``) adds its edits of the same rows,
 sampled as the ``tiny-cpu-shape-edits`` preset's evaluation does (ODE, ``--steps``, ``--seeds`` seeds per
@@ -59,12 +60,12 @@ def judge(images: np.ndarray, rows: list[dict]):
 
 
 def judged(images: np.ndarray, rows: list[dict], result=None) -> dict:
-    """Success, score, ``unchanged``, ``made`` and ``made_score`` (``shape_edit_made``'s credit) per category and
-    overall (``result``: the judge's, when already run)."""
+    """Success, score, ``unchanged``, ``made`` and ``gated_score`` (``shape_edit_gated``'s credit) per category
+    and overall (``result``: the judge's, when already run)."""
     result = judge(images, rows) if result is None else result
-    made = result.per_sample["made"]
-    values = {"success": result.per_sample["success"], "score": result.scores,
-              "unchanged": result.per_sample["unchanged"], "made": made, "made_score": result.scores * made}
+    made, unchanged = result.per_sample["made"], result.per_sample["unchanged"]
+    values = {"success": result.per_sample["success"], "score": result.scores, "unchanged": unchanged,
+              "made": made, "gated_score": result.scores * made * unchanged}
     categories = np.array([r["category"] for r in rows])
     per = {c: {k: round(float(v[categories == c].mean()), 4) for k, v in values.items()}
            for c in CATEGORIES if np.any(categories == c)}

@@ -214,44 +214,50 @@ def test_one_fixed_picture_succeeds_only_where_it_is_the_target():
         assert result.scores.mean() < 0.2
 
 
-def _made(images, rows):
-    reward = build_reward("shape_edit_made", RewardConfig(weights={"shape_edit_made": 1.0}))
+def _gated(images, rows):
+    reward = build_reward("shape_edit_gated", RewardConfig(weights={"shape_edit_gated": 1.0}))
     return reward(np.stack(images), [r["prompt"] for r in rows], [{k: v for k, v in r.items() if k != "prompt"}
                                                                    for r in rows])
 
 
-def test_the_gated_credit_pays_an_unedited_copy_nothing_and_a_made_edit_its_partial_credit():
+def test_the_gated_credit_pays_neither_a_copy_nor_an_over_edit_and_grades_a_made_edit_with_a_smudge():
     rows = list(_rows())
     copies = [_source_image(r) for r in rows]
     assert _score(copies, rows).scores.mean() > 0.5  # shape_edit pays the copy for what it leaves alone ...
-    copy = _made(copies, rows)  # ... shape_edit_made pays it nothing, in every category
+    copy = _gated(copies, rows)  # ... shape_edit_gated pays it nothing, in every category
     assert copy.failures == 0 and np.all(copy.scores == 0.0) and np.all(copy.per_sample["made"] == 0.0)
-    target = _made([_target_image(r) for r in rows], rows)
+    target = _gated([_target_image(r) for r in rows], rows)
     assert np.all(target.scores == 1.0) and np.all(target.per_sample["made"] == 1.0)
-    assert np.all(_made([np.full((64, 64, 3), 255, np.uint8)] * len(rows), rows).scores == 0.0)
-    check = prompt_validator(RewardConfig(weights={"shape_edit_made": 1.0}))
+    assert np.all(_gated([np.full((64, 64, 3), 255, np.uint8)] * len(rows), rows).scores == 0.0)
+    check = prompt_validator(RewardConfig(weights={"shape_edit_gated": 1.0}))
     check(rows[:3], "edits")
-    with pytest.raises(ValueError, match=r"edits row 2: the shape_edit_made reward needs shape-edit rows"):
+    with pytest.raises(ValueError, match=r"edits row 2: the shape_edit_gated reward needs shape-edit rows"):
         check([rows[0], {k: v for k, v in rows[1].items() if k != "source"}], "edits")
-    # the edit made, a bystander dragged off its place: made, with the partial credit it has under shape_edit
-    dragged, checked = [], []
+    # an over-edit: the named object recoloured, and every other object too
+    recolors = [r for r in rows if r["category"] == "recolor"]
+    over = []
+    for row in recolors:
+        objects = _scene(row)["objects"]
+        new = next(o["color"] for o in objects if o["edited"])
+        over.append(draw_scene([{**o, "color": new} for o in objects], 64))
+    plain, gated = _score(over, recolors), _gated(over, recolors)
+    changed = np.array([any(not o["edited"] and o["color"] != next(p["color"] for p in _scene(r)["objects"]
+                                                                       if p["edited"])
+                            for o in _scene(r)["objects"]) for r in recolors])
+    assert changed.sum() >= 8 and np.all(gated.per_sample["made"] == 1.0)
+    assert np.all(plain.scores[changed] >= 0.4) and np.all(gated.scores[changed] == 0.0)
+    # the edit made and the rest in place, with a smudge beside: the partial credit n / (n + 1)
+    smudged, checked = [], []
     for row in rows:
-        target = _scene(row)
-        anchors = (target["relation"] or {}).values()  # an anchor dragged away may break the relation
-        still = [k for k, o in enumerate(target["objects"]) if not o["edited"] and k not in anchors]
-        for k in still:
-            o = target["objects"][k]
-            moved = {**o, "cx": o["cx"] + 14} if o["cx"] + 14 < 64 - o["r"] else {**o, "cx": o["cx"] - 14}
-            if all(apart(moved, p, 64) for m, p in enumerate(target["objects"]) if m != k):
-                dragged.append(draw_scene([moved if m == k else p for m, p in enumerate(target["objects"])], 64))
-                checked.append(row)
-                break
-    assert len(checked) >= 40
-    plain, gated = _score(dragged, checked), _made(dragged, checked)
-    assert np.all(gated.per_sample["made"] == 1.0) and np.all(gated.per_sample["success"] == 0.0)
-    np.testing.assert_allclose(gated.scores, plain.scores)
-    assert np.all((0.0 < gated.scores) & (gated.scores < 1.0))
-
+        image = _target_image(row).copy()
+        free = next(((y, x) for y in range(2, 56, 2) for x in range(2, 50, 2)
+                     if np.all(image[y - 2:y + 8, x - 2:x + 14] == 255)), None)
+        if free is not None:
+            image[free[0]:free[0] + 6, free[1]:free[1] + 12] = COLORS["green"]
+            smudged.append(image)
+            checked.append(row)
+    n = np.array([len(_scene(r)["objects"]) for r in checked])
+    np.testing.assert_allclose(_gated(smudged, checked).scores, n / (n + 1), rtol=1e-6)
 
 def test_a_removal_is_made_only_when_the_named_object_is_gone():
     removals = [r for r in _rows() if r["category"] == "remove"]

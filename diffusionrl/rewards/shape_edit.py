@@ -22,13 +22,15 @@ the edit leaves alone is found right and in place), ``made`` (1 when the edit it
 object found at full worth, or for a removal no object of the removed one's shape and colour found),
 ``objects`` and ``blobs``; ``info`` the batch's ``accuracy``.
 
-``shape_edit_made`` scores ``made * score``: the same partial credit, paid only when the edit is made.
-Under ``shape_edit`` an unedited copy of the input keeps the credit of every object it leaves alone
-(0.63 on average, above most wrong edits), so a policy can raise that reward by editing less; under
-``shape_edit_made`` a copy scores 0, and the order among made edits is the partial credit's. (Subtracting
-the copy's score instead would change nothing: it is one number per row, and group-normalised advantages
-do not see a per-row shift.) This is the gate of VIEScore's semantic consistency, min(instruction
-followed, nothing over-edited), with the instruction judged as done or not.
+``shape_edit_gated`` scores the same partial credit only where the edit is made and every object it
+leaves alone is found right and in place (``made`` and ``unchanged``), else 0; what credit is left to
+earn there is for extra objects and smudges. Two ways to raise ``shape_edit`` without doing the task
+are closed: an unedited copy of the input keeps the credit of every object it leaves alone (0.63 on
+average, above most wrong edits), so a policy gains by editing less; and where only the edit is required
+(``made * score``), recolouring every object as well as the named one still earns about half. Under the
+gate a copy and an over-edit score 0. (Subtracting the copy's score would change nothing: it is one
+number per row, and group-normalised advantages do not see a per-row shift.) This is VIEScore's
+semantic consistency, min(instruction followed, nothing over-edited), with both judged as done or not.
 """
 
 from __future__ import annotations
@@ -138,19 +140,19 @@ class ShapeEdit(SceneJudge):
 
     def judge_one(self, image, scenes, found):
         ok, score, unchanged, made = judge_edit_made(image, scenes[1], found, scenes[0])
-        return ok, self.credit(score, made), {"unchanged": unchanged, "made": made}
+        return ok, self.credit(score, made, unchanged), {"unchanged": unchanged, "made": made}
 
     @staticmethod
-    def credit(score: float, made: bool) -> float:
+    def credit(score: float, made: bool, unchanged: bool) -> float:
         return score
 
 
-@register_reward("shape_edit_made")
-class ShapeEditMade(ShapeEdit):
-    """``shape_edit``'s partial credit where the edit is made, else 0: an unedited copy earns nothing."""
+@register_reward("shape_edit_gated")
+class ShapeEditGated(ShapeEdit):
+    """``shape_edit``'s partial credit where the edit is made and the rest kept, else 0 (a copy, an over-edit)."""
 
-    name = "shape_edit_made"
+    name = "shape_edit_gated"
 
     @staticmethod
-    def credit(score: float, made: bool) -> float:
-        return score if made else 0.0
+    def credit(score: float, made: bool, unchanged: bool) -> float:
+        return score if made and unchanged else 0.0
