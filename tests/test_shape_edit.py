@@ -235,15 +235,14 @@ def test_the_gated_credit_pays_neither_a_copy_nor_an_over_edit_and_grades_a_made
         check([rows[0], {k: v for k, v in rows[1].items() if k != "source"}], "edits")
     # an over-edit: the named object recoloured, and every other object too
     recolors = [r for r in rows if r["category"] == "recolor"]
-    over = []
+    over, changed = [], []
     for row in recolors:
         objects = _scene(row)["objects"]
         new = next(o["color"] for o in objects if o["edited"])
         over.append(draw_scene([{**o, "color": new} for o in objects], 64))
+        changed.append(any(o["color"] != new for o in objects))  # a bystander of another colour was recoloured
     plain, gated = _score(over, recolors), _gated(over, recolors)
-    changed = np.array([any(not o["edited"] and o["color"] != next(p["color"] for p in _scene(r)["objects"]
-                                                                       if p["edited"])
-                            for o in _scene(r)["objects"]) for r in recolors])
+    changed = np.array(changed)
     assert changed.sum() >= 8 and np.all(gated.per_sample["made"] == 1.0)
     assert np.all(plain.scores[changed] >= 0.4) and np.all(gated.scores[changed] == 0.0)
     # the edit made and the rest in place, with a smudge beside: the partial credit n / (n + 1)
@@ -258,6 +257,7 @@ def test_the_gated_credit_pays_neither_a_copy_nor_an_over_edit_and_grades_a_made
             checked.append(row)
     n = np.array([len(_scene(r)["objects"]) for r in checked])
     np.testing.assert_allclose(_gated(smudged, checked).scores, n / (n + 1), rtol=1e-6)
+
 
 def test_a_removal_is_made_only_when_the_named_object_is_gone():
     removals = [r for r in _rows() if r["category"] == "remove"]
