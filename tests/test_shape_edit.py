@@ -38,8 +38,8 @@ def _source_image(row) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(row["image"])).convert("RGB"))
 
 
-def _score(images, rows):
-    reward = build_reward("shape_edit", RewardConfig(weights={"shape_edit": 1.0}))
+def _score(images, rows, name="shape_edit"):
+    reward = build_reward(name, RewardConfig(weights={name: 1.0}))
     return reward(np.stack(images), [r["prompt"] for r in rows], [{k: v for k, v in r.items() if k != "prompt"}
                                                                    for r in rows])
 
@@ -215,9 +215,7 @@ def test_one_fixed_picture_succeeds_only_where_it_is_the_target():
 
 
 def _gated(images, rows):
-    reward = build_reward("shape_edit_gated", RewardConfig(weights={"shape_edit_gated": 1.0}))
-    return reward(np.stack(images), [r["prompt"] for r in rows], [{k: v for k, v in r.items() if k != "prompt"}
-                                                                   for r in rows])
+    return _score(images, rows, "shape_edit_gated")
 
 
 def test_the_gated_credit_pays_neither_a_copy_nor_an_over_edit_and_grades_a_made_edit_with_a_smudge():
