@@ -96,17 +96,17 @@ def judge_edit_made(image: np.ndarray, target: dict, detections: list[Detection]
              for x0, y0, x1, y1 in (object_box(o) for o in expected)]
     side = max(image.shape[0], image.shape[1])
     got = np.zeros(len(expected))
-    match: dict[int, int] = {}
+    match: dict[int, Detection] = {}
     if expected and found:
         worth = np.array([[_worth(o, b, d, side) for d in found] for o, b in zip(expected, boxes)])
         rows, cols = linear_sum_assignment(worth, maximize=True)
         for r, c in zip(rows, cols):
             if worth[r, c] > 0:
-                got[r], match[int(r)] = worth[r, c], int(c)
+                got[r], match[int(r)] = worth[r, c], found[c]
     rel = target.get("relation")
     if rel and rel["a"] in match:
         anchor = match.get(rel["b"])
-        if anchor is None or rel["rel"] not in relations(found[match[rel["a"]]].box, found[anchor].box):
+        if anchor is None or rel["rel"] not in relations(match[rel["a"]].box, anchor.box):
             got[rel["a"]] *= 0.5
     matched = float(got.sum())
     total = len(expected) + len(found) - matched
