@@ -70,7 +70,14 @@ def test_every_instruction_with_dropout_draws_held_out_instructions_and_writes_a
 
     with safe_open(str(tmp_path / "d.safetensors"), "pt") as f:
         meta = json.loads(f.metadata()["diffusionrl"])
-    assert meta["instructions"] == "all" and meta["cfg_dropout"] == 0.5
+    assert meta["instructions"] == "all" and meta["cfg_dropout"] == 0.5 and meta["loose"] == 0.0
+    # --loose: the same rows, about half of their targets holding one more edit than the instruction names
+    main(["--work", str(tmp_path / "l"), "--out", str(tmp_path / "l.safetensors"), "--instructions", "all",
+          "--loose", "0.5", *few[:-2], "--steps", "0"])
+    plain_bank, loose = torch.load(tmp_path / "p" / "bank.pt"), torch.load(tmp_path / "l" / "bank.pt")
+    assert torch.equal(plain_bank["source"], loose["source"]) and plain_bank["texts"] == loose["texts"]
+    changed = (plain_bank["target"] - loose["target"]).abs().flatten(1).amax(1) > 0
+    assert 0.3 < changed.float().mean() < 0.7
     cfg = load_config("tiny-cpu-shape-edits", overrides=[f"model.name={tmp_path / 'folder'}", "model.device=cpu"])
     adapter = load_adapter(cfg.model)
     assert adapter.family == "flux-kontext" and adapter.cfg_mode == "separate"

@@ -10,7 +10,16 @@ from PIL import Image
 
 from diffusionrl.config import DataConfig, RewardConfig
 from diffusionrl.data import PromptDataError, load_prompts, rows_digest
-from diffusionrl.data.shape_edits import CATEGORIES, MIN_MOVE, all_edits, generate_edit_prompts, instruction_of, resolve
+from diffusionrl.data.shape_edits import (
+    CATEGORIES,
+    MIN_MOVE,
+    all_edits,
+    edits_of,
+    generate_edit_prompts,
+    instruction_of,
+    loosen,
+    resolve,
+)
 from diffusionrl.data.shapes import COLORS, SHAPES, apart, draw_scene, object_box, relations
 from diffusionrl.rewards import build_reward, prompt_validator
 from diffusionrl.rewards.shape_edit import judge_edit, judge_edit_made
@@ -271,3 +280,24 @@ def test_a_removal_is_made_only_when_the_named_object_is_gone():
             assert judge_edit_made(kept, _scene(row), source=_scene(row, "source"))[3] is False, row["prompt"]
         assert judge_edit_made(draw_scene(plain, 64), _scene(row), source=_scene(row, "source"))[3] is True
     assert len(removals) >= 10
+
+
+def test_a_loose_instruction_names_an_edit_that_is_made_while_its_target_holds_one_more():
+    """``loosen`` (pretraining's loose instructions): the target keeps the named edit made (the judge finds
+    it, a named removal stays gone) and holds one more change, so that by the row's own instruction it is
+    not the exact edit; the row's instruction, source and category are untouched."""
+    rows = list(_rows())
+    edits = edits_of({r["prompt"] for r in rows})
+    loose = [loosen(r, edits, np.random.default_rng([0, i])) for i, r in enumerate(rows)]
+    changed = [i for i, (r, o) in enumerate(zip(rows, loose)) if o is not r]
+    assert len(changed) >= 0.8 * len(rows) and {rows[i]["category"] for i in changed} == set(CATEGORIES)
+    assert all({**loose[i], "target": rows[i]["target"]} == rows[i] for i in changed)
+    assert all(_scene(loose[i])["extra"] in {instruction_of(e) for e in edits} for i in changed)
+    picked = [loose[i] for i in changed]
+    result = _score([_target_image(o) for o in picked], [rows[i] for i in changed], name="shape_edit_gated")
+    assert np.all(result.per_sample["made"] == 1.0) and np.all(result.per_sample["success"] == 0.0)
+    added = np.array([_scene(o)["extra"].startswith("add ") for o in picked])
+    assert 0 < added.sum() < len(picked)
+    # a changed bystander fails the gate; an added object is an extra detection, n / (n + 1) as a smudge
+    assert np.all(result.per_sample["unchanged"][~added] < 1.0) and np.all(result.scores[~added] == 0.0)
+    assert np.all(result.scores[added] < 1.0) and np.all(result.per_sample["unchanged"][added] == 1.0)

@@ -263,24 +263,26 @@ TINY_CPU_FLUX_KONTEXT: dict[str, Any] = {
 
 # Over TINY_CPU: edit success in miniature. DiffusionNFT on builtin:tiny-flux-kontext-shapes (FLUX.1 Kontext
 # pretrained to edit shapes-world scenes by diffusionrl.models.pretrain_edit, on the training split of the same
-# data.test_fraction and data.seed) with the strict shape_edit reward on builtin:shape-edits rows, CFG-free (the
+# data.test_fraction and data.seed) on builtin:shape-edits rows, CFG-free (the
 # transformer has no guidance embedding: guidance_scale is not an input), each group re-noised with shared noise,
 # as tiny-cpu-shapes does for generation. Instructions take up to 17 T5 tokens (the edit verbs are characters).
 # 3 of each sample's 9 noise levels a step, a cosine learning rate from 6e-4 and an EMA of the LoRA for the
 # evaluation: more steps in the same minutes, and a steadier held-out gain than all levels at a constant 1e-3
-# (bench/README.md, "Image edits in the shapes world").
+# (bench/README.md, "Image edits in the shapes world"). The reward is shape_edit_gated: the strict judge's partial
+# credit only where the edit is made and the rest kept, since shape_edit's pays an unedited copy more than a
+# wrong edit, and a policy learns to copy (bench/README.md, "A reward that a copy or an over-edit cannot raise").
 TINY_CPU_SHAPE_EDITS: dict[str, Any] = {
     "data": {"source": "builtin:shape-edits", "num_prompts": 256, "test_fraction": 0.2, "seed": 0},
     "model": {"name": "builtin:tiny-flux-kontext-shapes", "max_sequence_length": 20,
               "lora_targets": TINY_CPU_FLUX_KONTEXT["model"]["lora_targets"]},
-    "reward": {"weights": {"shape_edit": 1.0}},
+    "reward": {"weights": {"shape_edit_gated": 1.0}},
     "algorithm": {"name": "nft", "kl_beta": 0.0, "group_renoise": True, "nft_timesteps": 3},
     "sampling": {"guidance_scale": 1.0},
     "train": {"learning_rate": 6e-4, "lr_schedule": "cosine", "steps": 80, "ema": True, "ema_decay": 0.95},
     # every held-out row (13 per category), 2 seeds each in the final evaluation; a probe of all every 10 steps;
     # @champion on the strict edit success, and only above the base model's
     "eval": {"num_prompts": 0, "seeds_per_prompt": 2, "every": 10, "probe_prompts": 0, "guidance_scale": 1.0,
-             "champion_metric": "eval/shape_edit_success"},
+             "champion_metric": "eval/shape_edit_gated_success"},
     "tracking": {"registered_model": "tiny-flux-kontext-shapes"},
 }
 

@@ -221,6 +221,45 @@ def make_example(category: str, texts: set[str], rng: np.random.Generator, resol
     raise RuntimeError(f"no {category} example found among {len(edits)} instructions")
 
 
+def edits_of(texts: set[str]) -> list[dict[str, Any]]:
+    """The world's edits whose instruction is one of ``texts``, every category in one list."""
+    return [e for edits in all_edits().values() for e in edits if instruction_of(e) in texts]
+
+
+def _strip(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in o.items() if k not in ("edited", "moved")} for o in objects]
+
+
+def loosen(row: dict, edits: list[dict[str, Any]], rng: np.random.Generator) -> dict:
+    """``row`` with one more edit made in its target that its instruction does not name, when one of
+    ``edits`` applies to objects the named edit leaves alone and keeps the instruction true (else ``row``
+    as it is): a loose instruction, true of the change but not all of it, as a web caption names one
+    object of several.
+
+    For pretraining (``pretrain_edit --loose``), which only draws the target: the loosened target's objects
+    carry no ``edited``/``moved`` flags and no ``relation``, and its ``extra`` names the unnamed edit."""
+    target = json.loads(row["target"])
+    objects = target["objects"]
+    named = {k for k, o in enumerate(objects) if o["edited"] or o["moved"]}
+    if target["relation"]:
+        named |= {target["relation"]["a"], target["relation"]["b"]}
+    kept = {(o["shape"], o["color"], o["cx"], o["cy"]) for o in objects}
+    removed = [(o["shape"], o["color"]) for o in json.loads(row["source"])["objects"]
+               if row["category"] == "remove" and (o["shape"], o["color"], o["cx"], o["cy"]) not in kept]
+    plain = _strip(objects)
+    for k in rng.permutation(len(edits)):
+        edit = edits[int(k)]
+        if "ref" in edit and resolve(edit["ref"], plain) in named:  # None (unnamed) is refused by apply_edit
+            continue
+        extra = apply_edit(edit, plain, rng, target["resolution"])
+        if extra is None or any((o["shape"], o["color"]) in removed for o in extra["objects"]):
+            continue  # a removed object may not come back
+        scene = {"resolution": target["resolution"], "objects": _strip(extra["objects"]), "relation": None,
+                 "extra": instruction_of(edit)}
+        return {**row, "target": scene_json(scene)}
+    return row
+
+
 def edit_rows(num: int, texts: set[str], seed: int, split: int, resolution: int = RESOLUTION) -> list[dict]:
     """``num`` rows, the categories in turn, row i drawn from ``default_rng([seed, split, i])``."""
     return [make_example(CATEGORIES[i % len(CATEGORIES)], texts, np.random.default_rng([seed, split, i]), resolution)

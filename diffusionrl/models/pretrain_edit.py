@@ -10,7 +10,11 @@ same ``--work`` continues where it stopped, bit for bit), ``curves.jsonl`` and `
    training split's instructions of ``--test-fraction``/``--split-seed`` (a run's ``data.test_fraction``/
    ``data.seed``: a held-out instruction is never drawn, so every held-out edit is one the base never made);
    ``--instructions all`` draws every instruction of the world, held-out ones included, in other scenes than
-   the held-out rows' (GenEval's split: the base has made edits of every kind, RL trains on some). Their
+   the held-out rows' (GenEval's split: the base has made edits of every kind, RL trains on some).
+   ``--loose P`` makes a share P of the targets hold one more edit that the instruction does not name
+   (``data.shape_edits.loosen``: the instruction is true of the change but not all of it, as a web caption
+   names one object of several), so that the instruction alone leaves the rest of the scene uncertain and
+   guidance on it has something to sharpen; drawn from each row's own stream, the rows stay as without. Their
    source scenes and drawn target scenes are VAE-encoded by ``FluxKontextAdapter.encode_references`` (the
    posterior's mode, shifted and scaled), their instructions by the adapter's ``encode_prompts``
    (``MAX_SEQUENCE_LENGTH`` T5 tokens), once, cached in ``--work``.
@@ -37,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusionrl.data.shape_edits import edit_rows, edit_splits
+from diffusionrl.data.shape_edits import edit_rows, edit_splits, edits_of, loosen
 from diffusionrl.data.shapes import draw_scene
 
 from .pretrain import Checkpointed, _lr
@@ -48,8 +52,9 @@ log = logging.getLogger("diffusionrl.pretrain_edit")
 BANK_SPLIT = 2  # edit_rows' stream: a run draws its training rows from 0 and its held-out rows from 1
 RESOLUTION = 64
 FIXED = ("seed", "batch", "lr", "bank", "ema", "test_fraction", "split_seed", "double", "single", "heads",
-         "instructions", "cfg_dropout")
-DEFAULTS = {"instructions": "train", "cfg_dropout": 0.0}  # what a state.pt that records none was written with
+         "instructions", "cfg_dropout", "loose")
+# what a state.pt that records none of these was written with
+DEFAULTS = {"instructions": "train", "cfg_dropout": 0.0, "loose": 0.0}
 
 
 def source_image(row: dict) -> np.ndarray:
@@ -129,6 +134,12 @@ class EditPretrainer(Checkpointed):
         train_texts, test_texts = edit_splits(a.test_fraction, a.split_seed)
         texts = train_texts | test_texts if a.instructions == "all" else train_texts
         rows = edit_rows(a.bank, texts, a.seed, BANK_SPLIT, RESOLUTION)
+        if a.loose:  # each row's own stream, so that the rows are drawn as without --loose
+            edits = edits_of(texts)
+            streams = [np.random.default_rng([a.seed, BANK_SPLIT, i, 1]) for i in range(len(rows))]
+            rows = [loosen(r, edits, g) if g.random() < a.loose else r for r, g in zip(rows, streams)]
+            log.warning("%d of %d targets hold an edit their instruction does not name",
+                        sum("extra" in json.loads(r["target"]) for r in rows), len(rows))
         enc = self.adapter.encode_references
         unique = sorted({r["prompt"] for r in rows})
         cond = self.adapter.encode_prompts(unique, None, MAX_SEQUENCE_LENGTH)
@@ -200,7 +211,8 @@ class EditPretrainer(Checkpointed):
                    for k, v in self.transformer.state_dict().items()}
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"scheduler_shift": self.args.scheduler_shift, "transformer": architecture(self.args),
-                "instructions": self.args.instructions, "cfg_dropout": self.args.cfg_dropout}
+                "instructions": self.args.instructions, "cfg_dropout": self.args.cfg_dropout,
+                "loose": self.args.loose}
         save_file(tensors, str(out), metadata={"diffusionrl": json.dumps(meta, sort_keys=True)})
         if self.args.folder:  # a diffusers folder of the exported model, for model.name
             build_kontext_shapes_pipeline(weights=out).save_pretrained(self.args.folder)
@@ -228,6 +240,8 @@ def parse_args(argv=None):
                     help="train: only the training split's instructions; all: every instruction of the world")
     ap.add_argument("--cfg-dropout", type=float, default=0.0,
                     help="share of empty instructions (0: no unconditional side, CFG-free only)")
+    ap.add_argument("--loose", type=float, default=0.0,
+                    help="share of targets with one more edit that the instruction does not name (loose instructions)")
     ap.add_argument("--double", type=int, default=2, help="double-stream blocks")
     ap.add_argument("--single", type=int, default=4, help="single-stream blocks")
     ap.add_argument("--heads", type=int, default=4, help="attention heads of 32 features (width 32 x heads)")
