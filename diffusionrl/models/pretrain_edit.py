@@ -137,9 +137,10 @@ class EditPretrainer(Checkpointed):
         if a.loose:  # each row's own stream, so that the rows are drawn as without --loose
             edits = edits_of(texts)
             streams = [np.random.default_rng([a.seed, BANK_SPLIT, i, 1]) for i in range(len(rows))]
-            rows = [loosen(r, edits, g) if g.random() < a.loose else r for r, g in zip(rows, streams)]
+            loose = [loosen(r, edits, g) if g.random() < a.loose else r for r, g in zip(rows, streams)]
             log.warning("%d of %d targets hold an edit their instruction does not name",
-                        sum("extra" in json.loads(r["target"]) for r in rows), len(rows))
+                        sum(o is not r for o, r in zip(loose, rows)), len(rows))
+            rows = loose
         enc = self.adapter.encode_references
         unique = sorted({r["prompt"] for r in rows})
         cond = self.adapter.encode_prompts(unique, None, MAX_SEQUENCE_LENGTH)
